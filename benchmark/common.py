@@ -1,0 +1,935 @@
+"""Shared machinery of ``bench_gated_delta_rule.py`` and ``profile/profile_gdr.py``.
+
+What lives here (and nowhere else):
+
+* the shape vocabulary and the benchmark grids (:class:`Shape`, :func:`forward_grid`, ...),
+* model-realistic input generation (:func:`make_inputs`), identical in every process,
+* one wrapper per implementation (ours, FLA, FlashInfer, FlashQLA) that gives each its
+  own conventions (:data:`IMPLS`),
+* timing (``triton.testing.do_bench`` median, rotating input buffers, CUDA-graph replay),
+* the worker: every measurement runs in a fresh subprocess, ``python common.py --worker
+  SPEC.json``, one per (implementation, shape). That is fair to FLA's autotuner (it tunes
+  on the first shape a process sees and, by default, caches the result on disk: workers
+  set ``FLA_CACHE_RESULTS=0``) and isolates FlashQLA 0.1.3, whose import name
+  ``flash_qla`` is ours too.
+
+The parent processes never import torch: they plan, spawn workers and render reports.
+Shapes follow ``shared/docs/gdn-math.md``: q, k ``[B,T,Hk,K]``, v ``[B,T,Hv,V]``,
+g, beta ``[B,T,Hv]``, states ``[N,Hv,K,V]`` fp32, K = V = 128, chunk C = 64.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+HEAD_DIM = 128  # K = V = 128 everywhere (the head size of every model in the grid)
+CHUNK = 64
+L2_BYTES = 60e6  # inputs smaller than this are rotated so that no call finds them in L2
+H200_BW = 4.3e12  # B/s, measured device copy (read + write), gdn-math.md
+H200_FLOPS = 790e12  # FLOP/s, measured bf16 dense GEMM, gdn-math.md
+FWD_FLOP_PER_TOKEN_HEAD = 176e3  # gdn-math.md cost model (FLA's unfused pipeline)
+BWD_FLOP_PER_TOKEN_HEAD = 508e3
+TOL = 2e-2  # relative error above which a peer's timing is flagged as a MISMATCH
+
+INSTALL_HINT = 'pip install "flash-qla[sm90]"'
+NO_GPU_LINE = ("error: this benchmark needs a CUDA GPU (none is visible) and the kernels "
+               f"({INSTALL_HINT}); run `--device cpu` for the small CPU demo.")
+
+PEERS = ("fla", "flashinfer", "flashqla")
+LABELS = {"ours": "FlashQLA (ours)", "fla": "FLA 0.5.0", "flashinfer": "FlashInfer",
+          "flashqla": "FlashQLA 0.1.3"}
+SHORT = {"ours": "ours", "fla": "FLA", "flashinfer": "FlashInfer", "flashqla": "FlashQLA-0.1.3"}
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+# --------------------------------------------------------------------------------------
+# Shapes and grids
+# --------------------------------------------------------------------------------------
+
+FWD_HEADS = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32), (16, 32), (16, 48),
+             (16, 64), (16, 16), (32, 32)]
+FWD_LAYOUTS = ["1x32768", "1x8192", "1x2048", "2x16384", "4x8192", "8x4096", "8x1024",
+               "varlen-a", "varlen-b"]
+BWD_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4), (16, 16), (8, 8), (4, 4)]
+BWD_LAYOUTS = ["1x8192", "2x4096", "4x2048", "8x1024", "1x32768", "2x16384", "4x8192",
+               "8x4096"]
+QUICK = ["fwd:2/8@1x2048", "fwd:16/32@1x8192", "fwd:4/16@1x32768", "fwd:16/64@varlen-a",
+         "bwd:16/16@1x8192"]
+CPU_TINY = ["fwd:2/4@1x128", "fwd:2/4@seqs=50+78", "bwd:2/2@1x64"]
+
+# Two seeded random mixes of 32k packed tokens: (seed, number of sequences).
+VARLEN_MIXES = {"varlen-a": (1, 8), "varlen-b": (2, 40)}
+
+
+def varlen_mix(seed: int, n: int, total: int = 32768) -> list[int]:
+    """``n`` positive lengths summing to ``total``, log-uniformly spread over ~30x.
+
+    Deterministic (``random.Random`` with an int seed is stable across Python
+    versions); lengths are mostly not multiples of 64, as in real batches. No empty
+    sequence (FLA 0.5.0 mis-handles those).
+    """
+    rng = random.Random(seed)
+    w = [math.exp(rng.random() * math.log(30.0)) for _ in range(n)]
+    s = sum(w)
+    lens = [max(1, int(total * x / s)) for x in w]
+    lens[-1] += total - sum(lens)
+    if lens[-1] < 1:
+        raise ValueError(f"cannot split {total} tokens into {n} sequences")
+    return lens
+
+
+def parse_layout(layout: str) -> list[int]:
+    """Sequence lengths of a layout: ``BxT``, a named mix, or ``seqs=L1+L2+...``."""
+    if layout in VARLEN_MIXES:
+        return varlen_mix(*VARLEN_MIXES[layout])
+    m = re.fullmatch(r"(\d+)x(\d+)", layout)
+    if m:
+        b, t = int(m.group(1)), int(m.group(2))
+        if b < 1 or t < 1:
+            raise ValueError(f"bad layout {layout!r}")
+        return [t] * b
+    m = re.fullmatch(r"seqs=(\d+(?:\+\d+)*)", layout)
+    if m:
+        lens = [int(x) for x in m.group(1).split("+")]
+        if min(lens) < 1:
+            raise ValueError(f"bad layout {layout!r}: empty sequence")
+        return lens
+    raise ValueError(f"bad layout {layout!r}: expected BxT (e.g. 8x4096), "
+                     f"{' / '.join(VARLEN_MIXES)} or seqs=L1+L2+...")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark configuration. ``mode`` is ``fwd`` or ``bwd``."""
+
+    mode: str
+    hk: int
+    hv: int
+    layout: str
+
+    @property
+    def seqlens(self) -> list[int]:
+        return parse_layout(self.layout)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seqlens)
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.seqlens)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.seqlens)) == 1
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}:{self.hk}/{self.hv}@{self.layout}"
+
+    @property
+    def label(self) -> str:
+        tail = f" ({self.n_seqs} seqs)" if self.layout in VARLEN_MIXES else ""
+        return f"{self.hk}/{self.hv} {self.layout}{tail}"
+
+    def validate(self) -> "Shape":
+        if self.mode not in ("fwd", "bwd"):
+            raise ValueError(f"bad mode {self.mode!r}")
+        if self.hk < 1 or self.hv < 1 or self.hv % self.hk:
+            raise ValueError(f"bad heads {self.hk}/{self.hv}: need Hv a multiple of Hk")
+        parse_layout(self.layout)
+        return self
+
+    @classmethod
+    def from_key(cls, key: str) -> "Shape":
+        m = re.fullmatch(r"(fwd|bwd):(\d+)/(\d+)@(\S+)", key)
+        if not m:
+            raise ValueError(f"bad shape {key!r}: expected MODE:HK/HV@LAYOUT")
+        return cls(m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)).validate()
+
+
+def forward_grid() -> list[Shape]:
+    return [Shape("fwd", hk, hv, lay) for hk, hv in FWD_HEADS for lay in FWD_LAYOUTS]
+
+
+def backward_grid() -> list[Shape]:
+    return [Shape("bwd", hk, hv, lay) for hk, hv in BWD_HEADS for lay in BWD_LAYOUTS]
+
+
+def select_shapes(spec: str | None, modes: list[str], base: list[Shape]) -> list[Shape]:
+    """Filter ``base`` by ``spec`` (comma-separated ``[MODE:]HK/HV@LAYOUT``, shell
+    wildcards allowed) and ``modes``. A wildcard-free item that is not in ``base`` is
+    added as a custom shape."""
+    base = [s for s in base if s.mode in modes]
+    if not spec:
+        return base
+    out: list[Shape] = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        item_modes = modes
+        m = re.match(r"(fwd|bwd):(.*)", item)
+        if m:
+            item_modes, item = [m.group(1)], m.group(2)
+        if "@" not in item:
+            raise ValueError(f"bad --shapes item {item!r}: expected HK/HV@LAYOUT")
+        heads, layout = item.split("@", 1)
+        hits = [s for s in base if s.mode in item_modes
+                and fnmatch.fnmatchcase(f"{s.hk}/{s.hv}", heads)
+                and fnmatch.fnmatchcase(s.layout, layout)]
+        if not hits and not any(c in item for c in "*?["):
+            hk, _, hv = heads.partition("/")
+            if not (hk.isdigit() and hv.isdigit()):
+                raise ValueError(f"bad --shapes item {item!r}: heads must be HK/HV")
+            hits = [Shape(md, int(hk), int(hv), layout).validate() for md in item_modes]
+        if not hits:
+            raise ValueError(f"--shapes item {item!r} matches no configuration")
+        out += [s for s in hits if s not in out]
+    return out
+
+
+def shape_floor(shape: Shape) -> dict:
+    """H200 floor of our forward: max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s).
+
+    Bytes per token: q, k (Hk*K*2 B each), v, o (Hv*V*2 B each), A (Hv*64*2 B), the gates
+    (g fp32 + beta bf16 = 6 B per value head); plus the initial and final state
+    (N*Hv*K*V*4 B each), which this benchmark always reads and writes.
+    """
+    t, n, hk, hv, d = shape.tokens, shape.n_seqs, shape.hk, shape.hv, HEAD_DIM
+    per_tok = hk * d * 2 * 2 + hv * d * 2 * 2 + hv * CHUNK * 2 + hv * 6
+    nbytes = t * per_tok + 2 * n * hv * d * d * 4
+    flops = FWD_FLOP_PER_TOKEN_HEAD * t * hv
+    floor_s = max(nbytes / H200_BW, flops / H200_FLOPS)
+    return {"bytes": nbytes, "flops": flops, "floor_ms": floor_s * 1e3,
+            "bound": "memory" if nbytes / H200_BW >= flops / H200_FLOPS else "compute"}
+
+
+def read_settings_csv(path: str) -> list[tuple[int, int, str]]:
+    """Rows ``hk,hv,layout`` of a profile settings file (``#`` comments allowed)."""
+    import csv
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(line for line in f if not line.lstrip().startswith("#")):
+            rows.append((int(row["hk"]), int(row["hv"]), row["layout"].strip()))
+    return rows
+
+
+# --------------------------------------------------------------------------------------
+# Inputs (worker side: torch is imported lazily)
+# --------------------------------------------------------------------------------------
+
+GATES = {
+    "model": "g = -exp(A_log) * softplus(a + dt_bias), a ~ N(0,1), per-head A_log = log U[1,16], "
+             "dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Qwen3-Next/Mamba2 init)",
+    "zero": "g = 0 (no decay at all: the longest memory, no gate-driven shortcut can apply)",
+    "strong": "g = -exp(A_log) * softplus(a + 2): g ~ -2..-35 per token, the state is "
+              "forgotten within a token or two (stresses exp underflow)",
+}
+
+
+def make_inputs(shape: Shape, gate: str, seed: int, device: str, with_grads: bool):
+    """Model-realistic inputs in the canonical packed layout ``[1, T, H, D]``.
+
+    Generated on ``device`` from a seeded generator: every worker process gets the
+    same bits (checked through :func:`fingerprint`). A uniform ``BxT`` layout can be
+    viewed as dense ``[B, T, ...]`` without copying.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    t, hk, hv, n, d = shape.tokens, shape.hk, shape.hv, shape.n_seqs, HEAD_DIM
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device, dtype=torch.float32)
+
+    q = F.normalize(randn(1, t, hk, d), p=2, dim=-1).to(dtype)
+    k = F.normalize(randn(1, t, hk, d), p=2, dim=-1).to(dtype)
+    v = randn(1, t, hv, d).to(dtype)
+    beta = torch.sigmoid(randn(1, t, hv)).to(dtype)
+    a = randn(1, t, hv)
+    cpu = torch.Generator().manual_seed(seed + 1)
+    a_log = torch.log(torch.empty(hv).uniform_(1.0, 16.0, generator=cpu))
+    dt = torch.exp(torch.empty(hv).uniform_(math.log(1e-3), math.log(1e-1), generator=cpu))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    a_log, dt_bias = a_log.to(device), dt_bias.to(device)
+    if gate == "model":
+        g = -torch.exp(a_log) * F.softplus(a + dt_bias)
+    elif gate == "zero":
+        g = torch.zeros_like(a)
+    elif gate == "strong":
+        g = -torch.exp(a_log) * F.softplus(a + 2.0)
+    else:
+        raise ValueError(f"unknown gate recipe {gate!r}; choose from {sorted(GATES)}")
+    h0 = randn(n, hv, d, d) * 0.1
+    lens = torch.tensor([0] + shape.seqlens, dtype=torch.int64).cumsum(0)
+    inp = {"q": q, "k": k, "v": v, "g": g.float().contiguous(), "beta": beta, "h0": h0,
+           "cu_seqlens_cpu": lens, "seqlens": shape.seqlens}
+    if with_grads:
+        inp["do"] = randn(1, t, hv, d).to(dtype)
+        inp["dht"] = randn(n, hv, d, d) * 0.1
+    return inp
+
+
+def fingerprint(inp: dict) -> list[float]:
+    """A cheap exact summary of the inputs, compared across worker processes."""
+    out = []
+    for name in ("q", "k", "v", "g", "beta", "h0", "do", "dht"):
+        if name in inp:
+            x = inp[name].double()
+            out += [float(x.sum()), float(x.abs().sum())]
+    return out
+
+
+def input_bytes(inp: dict) -> int:
+    return sum(x.numel() * x.element_size() for n, x in inp.items()
+               if n in ("q", "k", "v", "g", "beta", "h0", "do", "dht"))
+
+
+# --------------------------------------------------------------------------------------
+# Implementations (worker side)
+# --------------------------------------------------------------------------------------
+
+class Impl:
+    """One implementation as the worker drives it.
+
+    ``load`` imports it (ImportError means "not installed"); ``prepare`` turns the
+    canonical inputs into its own conventions, outside any timing; ``call`` is what is
+    timed; ``canon`` maps its raw outputs back to ``(o [B,T,Hv,V], ht [N,Hv,K,V])``.
+    """
+
+    name = "?"
+    differentiable = True
+
+    def load(self, ctx: dict):
+        raise NotImplementedError
+
+    def prepare(self, inp: dict, ctx: dict, requires_grad: bool = False) -> dict:
+        raise NotImplementedError
+
+    def call(self, args: dict):
+        raise NotImplementedError
+
+    def canon(self, out, args: dict):
+        return out[0].reshape(1, -1, *out[0].shape[-2:]), out[1]
+
+    def leaves(self, args: dict) -> list:
+        return [args[n] for n in ("q", "k", "v", "g", "beta", "h0")]
+
+
+def _fla_style_args(inp: dict, ctx: dict, requires_grad: bool, cu_dtype) -> dict:
+    """q..h0 in FLA's layout; dense ``[B,T]`` view for ``--dense-batch`` uniform layouts,
+    else packed ``[1,T]`` with cu_seqlens (none for one sequence)."""
+    lens = inp["seqlens"]
+    args = {}
+    for n in ("q", "k", "v", "g", "beta", "h0"):
+        x = inp[n].detach().clone()
+        args[n] = x.requires_grad_(requires_grad)
+    dense = len(lens) == 1 or (ctx.get("dense_batch") and len(set(lens)) == 1)
+    if dense:
+        b = len(lens)
+        args["views"] = lambda a: {n: a[n].view(b, -1, *a[n].shape[2:])
+                                   for n in ("q", "k", "v", "g", "beta")}
+        args["cu"], args["cu_cpu"] = None, None
+    else:
+        args["views"] = lambda a: {n: a[n] for n in ("q", "k", "v", "g", "beta")}
+        # one cu_seqlens tensor shared by every buffer set: caches keyed on it (FLA's
+        # tensor_cache) hit in every rotation and during graph capture
+        memo = f"_cu_{cu_dtype}"
+        if memo not in inp:
+            cu_cpu = inp["cu_seqlens_cpu"].to(cu_dtype)
+            inp[memo] = (cu_cpu.to(inp["q"].device), cu_cpu)
+        args["cu"], args["cu_cpu"] = inp[memo]
+    return args
+
+
+OURS_SRC = os.path.join(REPO, "packages", "flash-qla-core", "src")
+
+
+def import_ours():
+    """Our ``flash_qla``: the installed one, else the monorepo's source tree (a checkout
+    that was never ``pip install``-ed still runs the torch backend)."""
+    try:
+        import flash_qla
+    except ImportError:
+        if not os.path.exists(os.path.join(OURS_SRC, "flash_qla", "__init__.py")):
+            raise
+        sys.path.insert(0, OURS_SRC)
+        import flash_qla
+    if not callable(getattr(flash_qla, "chunk_gated_delta_rule", None)):
+        raise ImportError(f"{flash_qla.__file__} has no chunk_gated_delta_rule yet")
+    return flash_qla
+
+
+class Ours(Impl):
+    name = "ours"
+
+    def load(self, ctx):
+        flash_qla = import_ours()
+        self.fn = flash_qla.chunk_gated_delta_rule
+        self.backend = ctx.get("ours_backend")
+        return getattr(flash_qla, "__version__", "?")
+
+    def prepare(self, inp, ctx, requires_grad=False):
+        import torch
+        return _fla_style_args(inp, ctx, requires_grad, torch.int32)
+
+    def call(self, a):
+        kw = {"backend": self.backend} if self.backend else {}
+        return self.fn(**a["views"](a), initial_state=a["h0"], output_final_state=True,
+                       use_qk_l2norm_in_kernel=False, cu_seqlens=a["cu"],
+                       cu_seqlens_cpu=a["cu_cpu"], **kw)
+
+
+class FLA(Impl):
+    name = "fla"
+
+    def load(self, ctx):
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        self.fn = chunk_gated_delta_rule
+        return getattr(fla, "__version__", "?")
+
+    def prepare(self, inp, ctx, requires_grad=False):
+        import torch
+        return _fla_style_args(inp, ctx, requires_grad, torch.int64)
+
+    def call(self, a):
+        return self.fn(**a["views"](a), initial_state=a["h0"], output_final_state=True,
+                       use_qk_l2norm_in_kernel=False, cu_seqlens=a["cu"],
+                       cu_seqlens_cpu=a["cu_cpu"])
+
+
+class FlashInfer(Impl):
+    """FlashInfer 0.6.13 GDN prefill, forward only, in its own conventions: packed
+    ``[T,H,K]``, cu_seqlens mandatory (int64), g = alpha = exp(g_log) fp32 ``[T,Hv]``,
+    beta fp32 ``[T,Hv]``, states ``[N,Hv,V,K]``."""
+
+    name = "flashinfer"
+    differentiable = False
+
+    def load(self, ctx):
+        import flashinfer
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule
+        self.fn = chunk_gated_delta_rule
+        return getattr(flashinfer, "__version__", "?")
+
+    def prepare(self, inp, ctx, requires_grad=False):
+        t = inp["q"].shape[1]
+        return {
+            "q": inp["q"].reshape(t, *inp["q"].shape[2:]).contiguous(),
+            "k": inp["k"].reshape(t, *inp["k"].shape[2:]).contiguous(),
+            "v": inp["v"].reshape(t, *inp["v"].shape[2:]).contiguous(),
+            "alpha": inp["g"].reshape(t, -1).exp().float().contiguous(),
+            "beta": inp["beta"].reshape(t, -1).float().contiguous(),
+            "h0_vk": inp["h0"].transpose(-1, -2).contiguous(),
+            "cu": inp["cu_seqlens_cpu"].to(inp["q"].device),
+        }
+
+    def call(self, a):
+        return self.fn(a["q"], a["k"], a["v"], g=a["alpha"], beta=a["beta"], scale=None,
+                       initial_state=a["h0_vk"], output_final_state=True, cu_seqlens=a["cu"])
+
+    def canon(self, out, a):
+        o, ht_vk = out
+        return o.reshape(1, *o.shape), ht_vk.transpose(-1, -2)
+
+
+class FlashQLA013(Impl):
+    """FlashQLA 0.1.3, imported from ``--flashqla-path`` ahead of everything else."""
+
+    name = "flashqla"
+
+    def load(self, ctx):
+        path = ctx.get("flashqla_path")
+        if not path:
+            raise ImportError("no --flashqla-path given")
+        path = os.path.realpath(path)
+        sys.path.insert(0, path)
+        import flash_qla
+        where = os.path.realpath(getattr(flash_qla, "__file__", "") or "")
+        if not where.startswith(path + os.sep):
+            raise RuntimeError(f"imported the wrong flash_qla ({where}), not the one under {path}")
+        self.fn = flash_qla.chunk_gated_delta_rule
+        return getattr(flash_qla, "__version__", "?")
+
+    def prepare(self, inp, ctx, requires_grad=False):
+        import torch
+        return _fla_style_args(inp, ctx, requires_grad, torch.int32)
+
+    def call(self, a):
+        return self.fn(**a["views"](a), initial_state=a["h0"], output_final_state=True,
+                       use_qk_l2norm_in_kernel=False, cu_seqlens=a["cu"])
+
+
+IMPLS = {"ours": Ours, "fla": FLA, "flashinfer": FlashInfer, "flashqla": FlashQLA013}
+
+
+def static_unsupported(impl: str, shape: Shape, env: dict) -> str | None:
+    """Why ``impl`` cannot run ``shape`` here, known without starting a worker."""
+    if env.get("device") == "cpu" and impl != "ours":
+        return "skipped: needs a CUDA GPU (--device cpu runs ours only)"
+    if impl == "flashinfer" and shape.mode == "bwd":
+        return "unsupported: forward only"
+    if (impl == "fla" and shape.mode == "bwd" and shape.hv != shape.hk
+            and tuple(env.get("capability") or (0, 0))[0] == 9):
+        return ("unsupported: FLA 0.5.0 has no GVA backward on Hopper (its Triton path "
+                "refuses Triton>=3.4, its TileLang path rejects Hv != Hk)")
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Timing (worker side)
+# --------------------------------------------------------------------------------------
+
+def n_rotations(nbytes: int) -> int:
+    """Buffer sets to rotate through: enough that 2x L2 lies between two uses of one."""
+    if nbytes >= L2_BYTES:
+        return 1
+    return int(min(16, max(2, math.ceil(2 * L2_BYTES / max(nbytes, 1)) + 1)))
+
+
+def time_fns(fns: list, device: str, warmup_ms: float, rep_ms: float) -> float:
+    """Median ms of calling ``fns`` round-robin (one call per sample)."""
+    state = {"i": 0}
+
+    def step():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+
+    if device == "cpu":  # already warm (the first call ran); a few wall-clock samples
+        samples = []
+        deadline = time.perf_counter() + rep_ms / 1e3
+        while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 50):
+            t0 = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    import triton.testing
+    return float(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms,
+                                         return_mode="median"))
+
+
+def capture_graphs(fns: list, stream=None) -> list:
+    """One CUDA graph per callable (warm-up on a side stream, then capture)."""
+    import torch
+    s = stream or torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            for _ in range(2):
+                fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graphs = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+        graphs.append(g)
+    torch.cuda.synchronize()
+    return graphs
+
+
+def rel_err(x, ref) -> float:
+    import torch
+    x, ref = x.detach().float(), ref.detach().to(x.device).float()
+    if x.shape != ref.shape:
+        raise ValueError(f"shape {tuple(x.shape)} vs reference {tuple(ref.shape)}")
+    if not torch.isfinite(x).all():
+        return float("inf")
+    den = ref.norm().item()
+    return (x - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def sync(device: str):
+    if device != "cpu":
+        import torch
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------
+# Worker tasks
+# --------------------------------------------------------------------------------------
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _write(path: str, res: dict):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def task_probe(spec: dict) -> dict:
+    """Environment facts: device, versions, which implementations import."""
+    import torch
+    res = {"torch": torch.__version__, "python": sys.version.split()[0],
+           "cuda": torch.cuda.is_available(), "device_name": "cpu", "capability": None}
+    if res["cuda"]:
+        res["device_name"] = torch.cuda.get_device_name()
+        res["capability"] = list(torch.cuda.get_device_capability())
+        res["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        res["triton"] = f"unavailable ({type(e).__name__})"
+    versions = {}
+    try:
+        flash_qla = import_ours()
+        versions["ours"] = getattr(flash_qla, "__version__", "?")
+        if not callable(getattr(flash_qla, "chunk_gated_delta_rule", None)):
+            versions["ours"] = "error: flash_qla has no chunk_gated_delta_rule"
+    except Exception as e:  # noqa: BLE001
+        versions["ours"] = f"error: {type(e).__name__}: {e}"
+    if res["cuda"]:
+        for name, mod in (("fla", "fla"), ("flashinfer", "flashinfer")):
+            if name not in spec.get("peers", []):
+                continue
+            try:
+                m = __import__(mod)
+                versions[name] = getattr(m, "__version__", "?")
+            except Exception as e:  # noqa: BLE001
+                versions[name] = f"not installed ({type(e).__name__}: {e})"[:300]
+        if "flashinfer" in versions and not versions["flashinfer"].startswith("not"):
+            res["flashinfer_gdn_built"] = _flashinfer_gdn_built()
+    res["versions"] = versions
+    return res
+
+
+def _flashinfer_gdn_built() -> bool:
+    """Whether FlashInfer's SM90 GDN prefill module exists already (AOT or JIT cache);
+    without it the first call JIT-compiles for more than 7.5 minutes on the H200 host."""
+    import glob
+    import flashinfer
+    roots = [os.path.dirname(flashinfer.__file__),
+             os.environ.get("FLASHINFER_WORKSPACE_BASE", ""), os.path.expanduser("~/.cache/flashinfer")]
+    return any(glob.glob(os.path.join(r, "**", "gdn_prefill*.so"), recursive=True)
+               for r in roots if r and os.path.isdir(r))
+
+
+def task_bench(spec: dict) -> dict:
+    """Time one implementation on one shape; check it against ours' saved outputs."""
+    import torch
+    shape = Shape.from_key(spec["shape"])
+    dev, mode = spec["device"], shape.mode
+    res = {"impl": spec["impl"], "shape": shape.key, "status": "running"}
+    out_path = spec["result_path"]
+    impl = IMPLS[spec["impl"]]()
+    if dev != "cpu":
+        torch.cuda.init()
+    torch.manual_seed(0)
+    inp = make_inputs(shape, spec["gate"], spec["seed"], dev, with_grads=(mode == "bwd"))
+    res["fingerprint"] = fingerprint(inp)
+    sync(dev)
+
+    t0 = time.perf_counter()
+    try:
+        res["version"] = impl.load(spec)
+    except ImportError as e:
+        res.update(status="not installed", reason=f"{type(e).__name__}: {e}")
+        return res
+    res["import_s"] = time.perf_counter() - t0
+
+    bwd = mode == "bwd"
+    args = impl.prepare(inp, spec, requires_grad=bwd)
+    # first call (compilation / autotuning / JIT included), in this fresh process
+    with torch.set_grad_enabled(bwd):
+        out = impl.call(args)
+        o, ht = impl.canon(out, args)
+        if bwd:
+            grads = torch.autograd.grad((o, ht), impl.leaves(args), (inp["do"], inp["dht"]))
+    sync(dev)
+    res["first_call_s"] = time.perf_counter() - t0
+
+    # correctness: ours saves its outputs, a peer compares against them
+    outs = {"o": o, "ht": ht}
+    if bwd:
+        outs.update(zip(GRAD_NAMES, grads))
+    ref_path = spec["ref_path"]
+    if spec["impl"] == "ours":
+        torch.save({"fingerprint": res["fingerprint"],
+                    **{n: x.detach().cpu() for n, x in outs.items()}}, ref_path)
+        res["err"] = {}
+    elif os.path.exists(ref_path):
+        ref = torch.load(ref_path)
+        fp_ok = all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+                    for a, b in zip(ref["fingerprint"], res["fingerprint"]))
+        res["inputs_match"] = fp_ok
+        res["err"] = {n: rel_err(x, ref[n]) for n, x in outs.items()}
+        del ref
+    else:
+        res["err"] = None  # ours did not run: nothing to compare with
+    del out, o, ht, outs
+    if bwd:
+        del grads
+    _write(out_path, {**res, "status": "partial"})
+
+    # timing: rotate buffer sets that would fit in L2
+    nrot = n_rotations(input_bytes(inp)) if dev != "cpu" else 1
+    res["rotations"] = nrot
+    sets = [args] + [impl.prepare(inp, spec, requires_grad=bwd) for _ in range(nrot - 1)]
+    wu, rep = spec["warmup_ms"], spec["rep_ms"]
+    if not bwd:
+        with torch.no_grad():
+            res["eager_ms"] = time_fns([lambda a=a: impl.call(a) for a in sets], dev, wu, rep)
+    else:
+        def fwd_bwd(a):
+            o_, ht_ = impl.canon(impl.call(a), a)
+            return torch.autograd.grad((o_, ht_), impl.leaves(a), (inp["do"], inp["dht"]))
+
+        res["fwdbwd_eager_ms"] = time_fns([lambda a=a: fwd_bwd(a) for a in sets], dev, wu, rep)
+        kept = [impl.canon(impl.call(a), a) for a in sets]
+        bwd_fns = [lambda a=a, oo=oo: torch.autograd.grad(
+            oo, impl.leaves(a), (inp["do"], inp["dht"]), retain_graph=True)
+            for a, oo in zip(sets, kept)]
+        res["eager_ms"] = time_fns(bwd_fns, dev, wu, rep)
+        del kept, bwd_fns
+    res["status"] = "ok"
+    _write(out_path, res)
+
+    # CUDA-graph replay (what an inference engine pays); failure costs only this column
+    if dev == "cpu" or not spec.get("graphs", True):
+        res["graph_status"] = "n/a (cpu)" if dev == "cpu" else "off"
+        return res
+    try:
+        s = torch.cuda.Stream()
+        if not bwd:
+            with torch.no_grad():
+                graphs = capture_graphs([lambda a=a: impl.call(a) for a in sets], s)
+        else:
+            # the forward runs on the capture stream so that autograd's backward ops
+            # (which run on their forward's stream) land in the graph
+            with torch.cuda.stream(s):
+                kept = [impl.canon(impl.call(a), a) for a in sets]
+            graphs = capture_graphs([lambda a=a, oo=oo: torch.autograd.grad(
+                oo, impl.leaves(a), (inp["do"], inp["dht"]), retain_graph=True)
+                for a, oo in zip(sets, kept)], s)
+        res["graph_ms"] = time_fns([g.replay for g in graphs], dev, wu, rep)
+        res["graph_status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the reason is reported in the table notes
+        res["graph_status"] = f"not capturable: {type(e).__name__}: {str(e)[:200]}"
+    return res
+
+
+def task_profile(spec: dict) -> dict:
+    """Per-kernel device time (torch.profiler) of one implementation on one shape,
+    forward and (unless skipped or unsupported) backward, per iteration."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = Shape.from_key(spec["shape"])
+    dev = spec["device"]
+    impl = IMPLS[spec["impl"]]()
+    res = {"impl": spec["impl"], "shape": shape.key, "status": "running"}
+    inp = make_inputs(shape, spec["gate"], spec["seed"], dev, with_grads=True)
+    try:
+        res["version"] = impl.load(spec)
+    except ImportError as e:
+        res.update(status="not installed", reason=f"{type(e).__name__}: {e}")
+        return res
+    iters = int(spec.get("iters", 10))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev != "cpu" else [])
+
+    def kernels(fn) -> dict:
+        for _ in range(1 if dev == "cpu" else 3):  # compile / autotune outside the profile
+            fn()
+        sync(dev)
+        with profile(activities=acts) as prof:
+            for _ in range(iters):
+                fn()
+            sync(dev)
+        table: dict[str, dict] = {}
+        if dev == "cpu":  # no kernels: aten ops by self CPU time
+            for e in prof.key_averages():
+                if e.self_cpu_time_total > 0:
+                    table[e.key] = {"us": e.self_cpu_time_total / iters, "calls": e.count / iters}
+        else:
+            for e in prof.events():
+                if str(getattr(e, "device_type", "")).endswith("CUDA"):
+                    row = table.setdefault(e.name, {"us": 0.0, "calls": 0.0})
+                    row["us"] += e.time_range.elapsed_us() / iters
+                    row["calls"] += 1 / iters
+        return table
+
+    args = impl.prepare(inp, spec, requires_grad=False)
+    with torch.no_grad():
+        res["fwd"] = kernels(lambda: impl.call(args))
+    if spec.get("bwd"):
+        why = static_unsupported(spec["impl"], Shape("bwd", shape.hk, shape.hv, shape.layout),
+                                 spec)
+        if why or not impl.differentiable:
+            res["bwd_status"] = why or "unsupported: forward only"
+        else:
+            ga = impl.prepare(inp, spec, requires_grad=True)
+            outs = impl.canon(impl.call(ga), ga)
+            res["bwd"] = kernels(lambda: torch.autograd.grad(
+                outs, impl.leaves(ga), (inp["do"], inp["dht"]), retain_graph=True))
+            res["bwd_status"] = "ok"
+    res["status"] = "ok"
+    return res
+
+
+def worker_main(spec_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out_path = spec["result_path"]
+    if spec["impl"] == "fla" or spec.get("task") == "probe":
+        os.environ["FLA_CACHE_RESULTS"] = "0"  # autotune on this process' shape only
+    task = {"probe": task_probe, "bench": task_bench, "profile": task_profile}[spec["task"]]
+    try:
+        res = task(spec)
+    except Exception as e:  # noqa: BLE001 - a worker reports, the parent decides
+        res = {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
+        if os.path.exists(out_path):  # keep what an earlier stage measured
+            with open(out_path) as f:
+                res = {**json.load(f), **res}
+        traceback.print_exc()
+    _write(out_path, res)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# Parent side: spawning workers
+# --------------------------------------------------------------------------------------
+
+def run_worker(spec: dict, scratch: str, name: str, timeout: float,
+               env_extra: dict | None = None) -> dict:
+    """Run one worker in a fresh process group; return its result dict (never raises)."""
+    os.makedirs(scratch, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    spec = {**spec, "result_path": os.path.join(scratch, f"{safe}.result.json")}
+    spec_path = os.path.join(scratch, f"{safe}.spec.json")
+    log_path = os.path.join(scratch, f"{safe}.log")
+    if os.path.exists(spec["result_path"]):
+        os.remove(spec["result_path"])
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", spec_path],
+                                stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=REPO)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker's own group, started above
+            proc.wait()
+            rc = None
+    res = {}
+    if os.path.exists(spec["result_path"]):
+        with open(spec["result_path"]) as f:
+            res = json.load(f)
+    res["wall_s"] = time.perf_counter() - t0
+    if rc is None:
+        res.update(status="timeout" if res.get("status") in (None, "partial", "running")
+                   else res["status"], reason=f"worker killed after {timeout:.0f} s")
+    elif not res.get("status") or res["status"] in ("partial", "running"):
+        res.update(status="error", reason=f"worker exited with code {rc} ({log_path})")
+    if rc not in (0, None) and res["status"] == "ok" and "graph_status" not in res:
+        res["graph_status"] = f"worker died during graph capture (exit code {rc})"
+    if res["status"] not in ("ok",):
+        with open(log_path, errors="replace") as f:
+            res["log_tail"] = "".join(f.readlines()[-25:])
+    return res
+
+
+def probe(peers: list[str], scratch: str, timeout: float = 300) -> dict:
+    return run_worker({"task": "probe", "impl": "probe", "peers": peers}, scratch, "probe", timeout)
+
+
+def flashqla_version(path: str | None) -> str | None:
+    """Version of the FlashQLA at ``path`` read from its sources (it cannot be imported
+    in this process: its import name is ours)."""
+    if not path:
+        return None
+    init = os.path.join(path, "flash_qla", "__init__.py")
+    if not os.path.exists(init):
+        return None
+    with open(init) as f:
+        m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", f.read())
+    return m.group(1) if m else "?"
+
+
+def gpu_tag(device_name: str) -> str:
+    """File-name tag of a device: 'NVIDIA H200' -> 'H200'."""
+    name = re.sub(r"^NVIDIA\s+", "", device_name or "cpu").strip()
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name) or "gpu"
+
+
+def need(module: str, pip_name: str | None = None, purpose: str = ""):
+    """Import an optional reporting library, or return None after one clear line."""
+    try:
+        return __import__(module)
+    except ImportError:
+        print(f"note: {module} is not installed{' (' + purpose + ')' if purpose else ''}; "
+              f"`pip install {pip_name or module}` to get it.", file=sys.stderr)
+        return None
+
+
+def progress(items, desc: str):
+    """tqdm over ``items`` when installed, else a plain counter on stderr."""
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc=desc, unit="cfg", dynamic_ncols=True)
+    except ImportError:
+        class _Plain:
+            def __init__(self, xs):
+                self.xs = list(xs)
+
+            def __iter__(self):
+                for i, x in enumerate(self.xs):
+                    print(f"{desc}: {i + 1}/{len(self.xs)}", file=sys.stderr, flush=True)
+                    yield x
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                pass
+
+        return _Plain(items)
+
+
+def format_table(rows: list[list], headers: list[str], fmt: str = "github") -> str:
+    """tabulate when installed, else a minimal pipe table with the same content."""
+    try:
+        from tabulate import tabulate
+        return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+    except ImportError:
+        cells = [[str(c) for c in r] for r in [headers] + rows]
+        w = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+        line = lambda r: "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
+        return "\n".join([line(cells[0]), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+                         + [line(r) for r in cells[1:]])
+
+
+def new_scratch(prefix: str) -> str:
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2]))
+    print("this module is the shared code of benchmark/bench_gated_delta_rule.py and "
+          "profile/profile_gdr.py; run one of those.", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,96 @@
+"""Sessions of the FlashQLA monorepo (run from the repository root).
+
+    nox -s tests    CPU test suite: core + every kernel package's CPU tests (CI runs this)
+    nox -s gpu      the whole suite, tests marked `gpu` included; skips without a GPU
+    nox -s lint     ruff check
+    nox -s build    wheel + sdist of each package into dist/ (one session per package)
+
+Extra arguments after `--` go to pytest (tests, gpu) or ruff (lint).
+"""
+
+from __future__ import annotations
+
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES = ["flash-qla-core", "flash-qla-sm90", "flash-qla-sm100", "flash-qla-sm120"]
+# The CPU build of torch that the CI machine keeps on disk for `pip install`; a range
+# (or plain "torch") would download a multi-GB CUDA build instead.
+CPU_TORCH = "torch==2.13.0"
+RUFF = "ruff==0.17.6"
+
+
+def _install_packages(session: nox.Session, *pip_args: str) -> None:
+    """The four packages, editable; the core with its test and info extras."""
+    args = ["-e", "packages/flash-qla-core[test,info]"]
+    for package in PACKAGES[1:]:
+        args += ["-e", f"packages/{package}"]
+    session.install(*pip_args, *args)
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    """Run pytest and fail unless at least one test ran (passed or failed, not skipped)."""
+    junit = Path(session.create_tmp()) / "junit.xml"
+    junit.unlink(missing_ok=True)
+    session.run("pytest", f"--junitxml={junit}", *args, *session.posargs,
+                env={"FLASH_QLA_REQUIRE_PACKAGES": "1"})
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    ran = sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites)
+    if ran == 0:
+        session.error("no test ran (all were deselected or skipped)")
+    session.log(f"{ran} tests ran")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """CPU tests: every test not marked `gpu`."""
+    session.install(CPU_TORCH)
+    _install_packages(session)
+    _pytest(session, "-m", "not gpu")
+
+
+def _has_nvidia_driver() -> bool:
+    return Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi") is not None
+
+
+@nox.session(venv_params=["--system-site-packages"])
+def gpu(session: nox.Session) -> None:
+    """The whole suite on a GPU machine, with the machine's own (CUDA) torch."""
+    if not _has_nvidia_driver():
+        session.skip("no NVIDIA driver on this machine")
+    has_torch = session.run("python", "-c",
+                            "import importlib.util as u; print(u.find_spec('torch') is not None)",
+                            silent=True).strip().endswith("True")
+    if not has_torch:
+        session.install("torch>=2.8")  # on Linux, PyPI's default torch is a CUDA build
+    # No build isolation: setuptools comes from the machine, so this also works offline.
+    _install_packages(session, "--no-build-isolation")
+    cuda = session.run("python", "-c", "import torch; print(torch.cuda.is_available())",
+                       silent=True).strip()
+    if not cuda.endswith("True"):
+        session.skip("torch sees no CUDA device")
+    _pytest(session)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check (configuration in ruff.toml)."""
+    session.install(RUFF)
+    session.run("ruff", "check", *(session.posargs or ["."]))
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def build(session: nox.Session, package: str) -> None:
+    """Wheel and sdist of one package into dist/ (the wheel is built from the sdist)."""
+    session.install("build")
+    session.run("python", "-m", "build", "--outdir", str(ROOT / "dist"),
+                str(ROOT / "packages" / package))

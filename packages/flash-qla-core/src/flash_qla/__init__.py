@@ -1,0 +1,29 @@
+"""FlashQLA: Gated DeltaNet chunked prefill (forward and backward) for PyTorch.
+
+``chunk_gated_delta_rule`` is the differentiable, FLA-compatible entry point;
+``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd`` are the low-level pair.
+Importing this package needs no GPU and no TileLang, and loads no backend: kernel
+backends are discovered on the first call (see :mod:`flash_qla.backend`).
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from flash_qla import utils
+from flash_qla.api import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_bwd,
+    chunk_gated_delta_rule_fwd,
+)
+
+try:
+    __version__ = version("flash-qla")
+except PackageNotFoundError:  # running from a source tree, not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "__version__",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_bwd",
+    "chunk_gated_delta_rule_fwd",
+    "utils",
+]

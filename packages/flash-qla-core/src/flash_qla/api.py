@@ -1,0 +1,388 @@
+"""Public entry points of Gated DeltaNet chunked prefill.
+
+Gated DeltaNet (Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with
+Delta Rule", ICLR 2025) keeps, per sequence and value head, a ``K x V`` state ``S``:
+
+    S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    o_t = scale * S_t^T q_t
+
+and computes it chunk by chunk (``shared/docs/gdn-math.md`` has the chunked form and
+its backward). Shape vocabulary (see :mod:`flash_qla.backend`):
+
+    B   batch size (1 when ``cu_seqlens`` is given)
+    T   tokens per batch row (packed tokens when ``cu_seqlens`` is given)
+    N   number of sequences (B, or len(cu_seqlens) - 1)
+    Hk  q/k heads;  Hv value heads, Hv = G * Hk (GVA: value head h reads q/k head h // G)
+    K   q/k head dim;  V value head dim
+    C   chunk size (64 on every backend so far);  NT number of chunks
+
+Layers, top to bottom:
+
+1. :func:`chunk_gated_delta_rule` validates, selects a backend, then runs the
+   *pre-passes* (optional q/k L2-norm, optional in-kernel gate, state layout), the
+   autograd Function, and the *post-pass* (state layout back). Pre/post-passes are
+   plain differentiable torch ops, so their gradients come from autograd.
+2. :class:`_ChunkGatedDeltaRule` (the autograd Function) only calls the backend's
+   ``Kernels.fwd`` / ``Kernels.bwd`` in the canonical layout and saves what the
+   backward needs (q, k, v, the gate cumsum, beta, A, the initial state): the gate
+   cumsum and A are saved, never recomputed.
+3. :func:`chunk_gated_delta_rule_fwd` / :func:`chunk_gated_delta_rule_bwd` are the
+   validated low-level pair (canonical layout, no pre-passes, no autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flash_qla import validation
+from flash_qla.backend import BackendSpec, Kernels
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_bwd",
+    "chunk_gated_delta_rule_fwd",
+]
+
+#: eps of the q/k L2-norm pre-pass: x / sqrt(sum(x^2) + eps), as FLA's l2norm.
+L2NORM_EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------
+# Backend selection and small resolvers
+# --------------------------------------------------------------------------------------
+
+def _select_kernels(q: torch.Tensor, v: torch.Tensor, backend: str | None,
+                    *others: torch.Tensor | None) -> tuple[BackendSpec, Kernels]:
+    """The backend for this call (dispatch is imported lazily: no discovery at import)."""
+    from flash_qla.dispatch import get_kernels
+
+    K, V = q.shape[3], v.shape[3]
+    spec, kernels = get_kernels(q.device, K=K, V=V, dtype=q.dtype, backend=backend)
+    validation.check_backend(spec, K=K, V=V, dtype=q.dtype,
+                             uses_float64=validation.uses_float64(q, *others))
+    return spec, kernels
+
+
+def _resolve_scale(scale: float | None, K: int) -> float:
+    """``scale`` as a float, ``K ** -0.5`` when None."""
+    validation.check_scale(scale)
+    return K ** -0.5 if scale is None else float(scale)
+
+
+def _resolve_v_first(transpose_state_layout: bool, state_v_first: bool | None) -> bool:
+    """Whether states are ``[N, Hv, V, K]``: FlashQLA's and FLA's names for one option."""
+    validation.check_bool("transpose_state_layout", transpose_state_layout)
+    validation.check_bool("state_v_first", state_v_first, optional=True)
+    if state_v_first is None:
+        return transpose_state_layout
+    if transpose_state_layout and not state_v_first:
+        raise ValueError(
+            "transpose_state_layout=True and state_v_first=False contradict each other; "
+            "pass one of them"
+        )
+    return state_v_first
+
+
+def _reject_unsupported(*, head_first: bool, auto_cp: bool | None,
+                        enable_fwd_cp_cache: bool | None, cp_context: object,
+                        force_intra_cp: bool | None, segment_len: int | None) -> None:
+    """Accepted-for-compatibility keywords whose requested behaviour does not exist yet."""
+    validation.check_bool("head_first", head_first)
+    validation.check_bool("auto_cp", auto_cp, optional=True)
+    if head_first:
+        raise NotImplementedError(
+            "head_first=True ([B, H, T, D] inputs) is not supported (FLA deprecated it); "
+            "pass [B, T, H, D] tensors, e.g. q.transpose(1, 2)"
+        )
+    if cp_context is not None:
+        raise NotImplementedError(
+            "cp_context (context parallelism across ranks) is not supported; pass None"
+        )
+    if enable_fwd_cp_cache:
+        raise NotImplementedError(
+            "enable_fwd_cp_cache=True is not supported (there is no segment-parallel "
+            "forward to cache yet); pass None or False"
+        )
+    if force_intra_cp:
+        raise NotImplementedError(
+            "force_intra_cp=True is not supported yet (no intra-sequence segment "
+            "parallelism); pass None or False"
+        )
+    if segment_len is not None:
+        raise NotImplementedError(
+            f"segment_len={segment_len!r} is not supported yet (no intra-sequence segment "
+            "parallelism); pass None"
+        )
+
+
+def _contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if x is None else x.contiguous() for x in tensors]
+
+
+# --------------------------------------------------------------------------------------
+# Pre- and post-passes (differentiable torch ops around the autograd Function)
+# --------------------------------------------------------------------------------------
+
+def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2, -1) + eps)`` over the head dim, computed in fp32 (fp64 for
+    fp64), returned in x's dtype. The ``use_qk_l2norm_in_kernel`` pre-pass."""
+    work = validation.state_dtype(x)
+    xw = x.to(work)                                                   # [B,T,H,D]
+    return (xw * torch.rsqrt(xw.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gate_from_params(g: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """``-exp(A_log) * softplus(g + dt_bias)`` (Mamba2-style decay, FLA's in-kernel gate).
+
+    g ``[B, T, Hv]`` raw pre-activation; A_log, dt_bias ``[Hv]``. Computed and returned
+    in fp32 (fp64 when g is fp64): a per-token natural-log decay, <= 0.
+    """
+    work = torch.float64 if g.dtype == torch.float64 else torch.float32
+    x = g.to(work)                                                    # [B,T,Hv]
+    if dt_bias is not None:
+        x = x + dt_bias.to(work)                                      # [B,T,Hv] + [Hv]
+    return -torch.exp(A_log.to(work)) * F.softplus(x)                 # [B,T,Hv]
+
+
+def _swap_state_layout(state: torch.Tensor | None) -> torch.Tensor | None:
+    """``[N, Hv, K, V]`` <-> ``[N, Hv, V, K]`` (contiguous copy)."""
+    return None if state is None else state.transpose(-1, -2).contiguous()
+
+
+# --------------------------------------------------------------------------------------
+# The autograd Function (canonical layout only)
+# --------------------------------------------------------------------------------------
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    """o, final_state = GDN(q, k, v, g, beta, initial_state) on one backend's Kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state,
+                cu_seqlens, cu_seqlens_cpu, kernels):
+        q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+        g_cumsum, A, o, _, final_state = kernels.fwd(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            output_final_state=output_final_state, output_h=False)
+        ctx.save_for_backward(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens)
+        ctx.scale, ctx.kernels, ctx.cu_seqlens_cpu = scale, kernels, cu_seqlens_cpu
+        ctx.g_dtype = g.dtype
+        ctx.set_materialize_grads(False)
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens = ctx.saved_tensors
+        if do is None:                                                # o unused
+            do = torch.zeros_like(v, dtype=q.dtype)                   # [B,T,Hv,V]
+        do, dht = _contiguous(do, dht)
+        dq, dk, dv, dbeta, dg, dh0 = ctx.kernels.bwd(
+            q, k, v, g_cumsum, beta, A, do, dht=dht, scale=ctx.scale,
+            initial_state=initial_state, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=ctx.cu_seqlens_cpu)
+        return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dh0,
+                None, None, None, None, None)
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    transpose_state_layout: bool = False,
+    state_v_first: bool | None = None,
+    head_first: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    auto_cp: bool | None = None,
+    enable_fwd_cp_cache: bool | None = None,
+    cp_context: object = None,
+    force_intra_cp: bool | None = None,
+    segment_len: int | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated DeltaNet over whole sequences, differentiable (FLA/FlashQLA compatible).
+
+    Computes, per sequence and value head, ``S_t = exp(g_t) (I - beta_t k_t k_t^T)
+    S_{t-1} + beta_t k_t v_t^T`` and ``o_t = scale * S_t^T q_t`` (Yang et al., Gated
+    Delta Networks, ICLR 2025; ``shared/docs/gdn-math.md``), chunk-parallel on the
+    selected backend. Differentiable in q, k, v, g, beta, initial_state (and A_log,
+    dt_bias with the in-kernel gate).
+
+    Args:
+        q, k: ``[B, T, Hk, K]``, one dtype among bf16/fp16/fp32 (fp64 on the ``torch``
+            backend, for reference use).
+        v: ``[B, T, Hv, V]``, q's dtype; ``Hv`` a multiple of ``Hk`` (GVA).
+        g: ``[B, T, Hv]`` fp32 or bf16 (fp64 on ``torch``): per-token natural-log decay
+            (``g <= 0``, before any cumsum; the state is multiplied by ``exp(g_t)``).
+            With ``use_gate_in_kernel`` it is instead the raw pre-activation, see below.
+        beta: ``[B, T, Hv]`` in q's dtype or fp32: write strength, in (0, 1].
+        scale: output scale; None means ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` v-first) fp32 (fp64 for fp64
+            inputs), or None for zeros.
+        output_final_state: also return the state after each sequence's last token.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K first (pre-pass
+            ``x / sqrt(sum(x^2) + 1e-6)`` in fp32; its gradient comes from autograd).
+        cu_seqlens: ``[N+1]`` int32/int64 on q's device: N packed sequences, B must be
+            1. Zero-length sequences are allowed; tokens after ``cu_seqlens[-1]`` are
+            padding and get exact zeros in o and in every gradient.
+        cu_seqlens_cpu: the same offsets on the host; lets validation and backends plan
+            without a host sync. Not checked to equal ``cu_seqlens`` (that would sync).
+        transpose_state_layout, state_v_first: FlashQLA's and FLA's names for the
+            v-first state layout ``[N, Hv, V, K]`` of initial and final state (done by
+            transposing around the canonical-layout kernels).
+        head_first: must be False; ``[B, H, T, D]`` inputs are not supported.
+        use_gate_in_kernel, A_log, dt_bias: FLA's in-kernel gate; the decay is
+            ``g = -exp(A_log) * softplus(g + dt_bias)``, computed in fp32 as a
+            differentiable pre-pass. A_log ``[Hv]`` is required, dt_bias ``[Hv]`` is
+            optional (None means 0); both are rejected without ``use_gate_in_kernel``.
+        auto_cp: a performance hint (FlashQLA): True/False/None are accepted; there is
+            no intra-sequence split yet, so it does not change the computation.
+        enable_fwd_cp_cache, cp_context, force_intra_cp, segment_len: accepted for
+            compatibility; any value other than None/False raises NotImplementedError.
+        backend: force a backend by name, e.g. ``"torch"`` (the env variable
+            ``FLASH_QLA_BACKEND`` does the same); None picks one for q's device.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, Hv, V]`` in q's dtype; final_state ``[N, Hv, K,
+        V]`` (v-first: ``[N, Hv, V, K]``) fp32 (fp64 for fp64 inputs) or None.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: wrong shapes, devices, ``cu_seqlens`` contents, contradicting
+            options, or head dims/dtypes the selected backend does not run.
+        NotImplementedError: a compatibility keyword asking for something not built.
+
+    Not checked (would cost a pass over the data or a host sync): finite inputs,
+    ``g <= 0``, beta's range, and ``cu_seqlens`` contents during CUDA-graph capture.
+    """
+    _reject_unsupported(head_first=head_first, auto_cp=auto_cp,
+                        enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context,
+                        force_intra_cp=force_intra_cp, segment_len=segment_len)
+    v_first = _resolve_v_first(transpose_state_layout, state_v_first)
+    validation.check_bool("output_final_state", output_final_state)
+    validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    validation.check_bool("use_gate_in_kernel", use_gate_in_kernel)
+    validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
+                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                v_first=v_first)
+    validation.check_gate_params(use_gate_in_kernel, A_log, dt_bias, v)
+    validation.check_same_device({"q": q, "A_log": A_log, "dt_bias": dt_bias})
+    scale = _resolve_scale(scale, q.shape[3])
+    _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
+
+    # Pre-passes: everything the kernels' canonical contract does not cover.
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)                       # [B,T,Hk,K]
+    if use_gate_in_kernel:
+        g = gate_from_params(g, A_log, dt_bias)                       # [B,T,Hv] fp32
+    if v_first:
+        initial_state = _swap_state_layout(initial_state)             # [N,Hv,K,V]
+
+    o, final_state = _ChunkGatedDeltaRule.apply(
+        q, k, v, g, beta, initial_state, scale, output_final_state,
+        cu_seqlens, cu_seqlens_cpu, kernels)
+
+    # Post-pass: back to the caller's state layout.
+    if v_first:
+        final_state = _swap_state_layout(final_state)                 # [N,Hv,V,K]
+    return o, final_state
+
+
+def chunk_gated_delta_rule_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    output_h: bool = False,
+    *,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Low-level forward: validated inputs straight to the backend's ``Kernels.fwd``.
+
+    Canonical layout only (state ``[N, Hv, K, V]``, raw log gate, no q/k L2-norm); runs
+    under ``torch.no_grad()`` (pair it with :func:`chunk_gated_delta_rule_bwd`).
+    Arguments, dtypes and errors as :func:`chunk_gated_delta_rule`.
+
+    Returns ``(g_cumsum, A, o, h, final_state)``:
+
+    * g_cumsum ``[B, T, Hv]`` fp32 (fp64 for fp64 inputs): chunk-local cumsum of g.
+    * A ``[B, T, Hv, C]`` in q's dtype: per chunk the gate-free inverse
+      ``(I + strictly_lower(diag(beta) K K^T))^-1``, row i of the chunk at token i.
+    * o ``[B, T, Hv, V]`` in q's dtype.
+    * h ``[B, NT, Hv, K, V]`` chunk-start states when ``output_h``, else None.
+    * final_state ``[N, Hv, K, V]`` fp32 when ``output_final_state``, else None.
+    """
+    validation.check_bool("output_final_state", output_final_state)
+    validation.check_bool("output_h", output_h)
+    validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
+                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    scale = _resolve_scale(scale, q.shape[3])
+    _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    with torch.no_grad():
+        return kernels.fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                           output_final_state=output_final_state, output_h=output_h)
+
+
+def chunk_gated_delta_rule_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A: torch.Tensor,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Low-level backward: validated inputs straight to the backend's ``Kernels.bwd``.
+
+    ``g`` and ``A`` are the forward's ``g_cumsum`` (fp32 ``[B, T, Hv]``) and ``A``
+    (``[B, T, Hv, C]``) exactly as :func:`chunk_gated_delta_rule_fwd` returned them
+    (same backend). do ``[B, T, Hv, V]`` in q's dtype; dht ``[N, Hv, K, V]`` fp32 or
+    None (zero). Other arguments as the forward; runs under ``torch.no_grad()``.
+
+    Returns ``(dq, dk, dv, dbeta, dg, dh0)``: dq, dk ``[B, T, Hk, K]`` and dv in q's
+    dtype, dbeta ``[B, T, Hv]`` in beta's dtype, dg ``[B, T, Hv]`` fp32 w.r.t. the
+    raw per-token gate (not the cumsum), dh0 ``[N, Hv, K, V]`` fp32 or None without an
+    initial state.
+    """
+    N = validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
+                                    cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    validation.validate_backward_extras(q, v, g, A, do, dht, N)
+    scale = _resolve_scale(scale, q.shape[3])
+    _, kernels = _select_kernels(q, v, backend, g, beta, initial_state, dht)
+    q, k, v, g, beta, A, do, dht, initial_state = _contiguous(
+        q, k, v, g, beta, A, do, dht, initial_state)
+    with torch.no_grad():
+        return kernels.bwd(q, k, v, g, beta, A, do, dht=dht, scale=scale,
+                           initial_state=initial_state, cu_seqlens=cu_seqlens,
+                           cu_seqlens_cpu=cu_seqlens_cpu)

@@ -1,0 +1,95 @@
+"""The contract between the core and a kernel backend.
+
+A *backend* is what a kernel package (``flash-qla-sm90`` ...) registers under the
+entry-point group ``flash_qla.backends``. The registered object is a
+:class:`BackendSpec`: light to import (no TileLang, no compilation, no CUDA
+initialisation) and able to say, without loading any kernel, whether it can run a
+call. Kernels are loaded on first use through :meth:`BackendSpec.load`.
+
+Shape vocabulary (used by every docstring in the package, see
+``shared/docs/gdn-math.md``):
+
+    B   batch size (1 when ``cu_seqlens`` is given)
+    T   tokens per batch row (packed tokens when ``cu_seqlens`` is given)
+    N   number of sequences (B, or len(cu_seqlens) - 1)
+    Hk  q/k heads;  Hv value heads, Hv = G * Hk (GVA, G >= 1)
+    K   q/k head dim;  V value head dim
+    C   chunk size (64 on every backend so far)
+    NT  number of chunks (sum over sequences of ceil(len / C))
+
+The low-level kernel API (what :meth:`Kernels.fwd` and :meth:`Kernels.bwd` take) is
+always in the canonical layout: state ``[N, Hv, K, V]`` fp32, no q/k L2-norm, the raw
+log gate. Layout conversions and the optional pre-passes are done by the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+#: Bumped whenever the signature or semantics of ``Kernels.fwd``/``Kernels.bwd``
+#: change. A backend declaring another version is refused with a pip command.
+KERNEL_API_VERSION = 1
+
+
+class Kernels(Protocol):
+    """What :meth:`BackendSpec.load` returns."""
+
+    def fwd(self, q, k, v, g, beta, *, scale: float, initial_state, cu_seqlens,
+            cu_seqlens_cpu, output_final_state: bool, output_h: bool):
+        """Forward of one call; returns ``(g_cumsum, A, o, h, final_state)``.
+
+        q, k ``[B,T,Hk,K]``; v ``[B,T,Hv,V]``; g, beta ``[B,T,Hv]``;
+        initial_state ``[N,Hv,K,V]`` fp32 or None; cu_seqlens ``[N+1]`` int32/int64
+        on the device or None; cu_seqlens_cpu the same on the host or None (lets a
+        backend plan without a host sync).
+        Returns g_cumsum fp32 ``[B,T,Hv]`` (chunk-local cumsum of g), A ``[B,T,Hv,C]``
+        in q's dtype (the gate-free inverse), o ``[B,T,Hv,V]`` in q's dtype,
+        h ``[B,NT,Hv,K,V]`` (chunk-start states) or None, final_state
+        ``[N,Hv,K,V]`` fp32 or None.
+        """
+
+    def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale: float,
+            initial_state, cu_seqlens, cu_seqlens_cpu):
+        """Backward; returns ``(dq, dk, dv, dbeta, dg, dh0)``.
+
+        dg is w.r.t. the raw per-token gate g (fp32), dbeta in beta's dtype, dq/dk/dv
+        in q's dtype, dh0 fp32 ``[N,Hv,K,V]`` or None when initial_state is None.
+        """
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend as the core sees it before any kernel is loaded.
+
+    Attributes:
+        name: entry-point name, e.g. ``"sm90"`` or ``"torch"``.
+        distribution: the pip distribution that ships it, e.g. ``"flash-qla-sm90"``.
+        version: that distribution's version.
+        kernel_api_version: must equal :data:`KERNEL_API_VERSION`.
+        capabilities: CUDA compute capabilities served, e.g. ``((9, 0),)``; empty
+            for a backend that runs on any device (``torch``).
+        head_dims: supported ``(K, V)`` pairs; empty means any.
+        dtypes: supported q/k/v dtypes by name (``"bfloat16"``...).
+        loader: zero-argument callable returning a :class:`Kernels`; called once.
+        notes: free text shown by ``python -m flash_qla info``.
+    """
+
+    name: str
+    distribution: str
+    version: str
+    kernel_api_version: int
+    capabilities: tuple[tuple[int, int], ...]
+    head_dims: tuple[tuple[int, int], ...]
+    dtypes: tuple[str, ...]
+    loader: Callable[[], Any] = field(repr=False, compare=False)
+    notes: str = ""
+
+    def rejection_reason(self, *, K: int, V: int, dtype_name: str) -> str | None:
+        """None when this backend can run a call with these statics, else why not."""
+        if self.head_dims and (K, V) not in self.head_dims:
+            dims = ", ".join(f"K={k}, V={v}" for k, v in self.head_dims)
+            return f"{self.name} supports head dims ({dims}); got K={K}, V={V}"
+        if self.dtypes and dtype_name not in self.dtypes:
+            return f"{self.name} supports dtypes {list(self.dtypes)}; got {dtype_name}"
+        return None

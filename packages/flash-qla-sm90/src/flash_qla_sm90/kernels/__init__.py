@@ -1,0 +1,38 @@
+"""Hopper kernels, loaded on first use by ``flash_qla_sm90.BACKEND.loader``.
+
+One module per quantity computed: ``chunk_prepare`` (gate cumsum + gate-free inverse),
+``chunk_fwd`` (the fused chunk recurrence); ``forward`` orchestrates them and
+``chunk_layout`` builds the per-call chunk index. ``kernel_cache`` seeds TileLang's
+cache with the kernels compiled at build time, so the first call does not compile.
+"""
+
+from __future__ import annotations
+
+from .kernel_cache import use_shipped_cache
+
+
+class Sm90Kernels:
+    """The :class:`flash_qla.backend.Kernels` of the Hopper backend."""
+
+    def fwd(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+            output_final_state, output_h):
+        from .forward import chunk_fwd
+
+        return chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         output_final_state=output_final_state, output_h=output_h)
+
+    def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
+            cu_seqlens_cpu):
+        # No TileLang backward yet (issue "SM90 backward kernels"): the chunked PyTorch
+        # backward runs on the GPU instead. Correct, and slow.
+        from flash_qla.reference import TORCH_KERNELS
+
+        return TORCH_KERNELS.bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
+                                 initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def load() -> Sm90Kernels:
+    use_shipped_cache()
+    return Sm90Kernels()

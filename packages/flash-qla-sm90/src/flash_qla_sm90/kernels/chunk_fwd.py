@@ -1,0 +1,154 @@
+"""Fused chunk-recurrent forward: the state stays on chip across all chunks of a sequence.
+
+One CTA per (sequence, value head, BLOCK_V columns of the state). It walks the chunks
+of its sequence in order, keeping S (K x BLOCK_V, fp32) in registers, and per chunk
+computes (gdn-math.md, "Chunked form"; rows i, j of the chunk, gam = chunk cumsum):
+
+    KS  = K S0,  QS = Q S0,  QK = Q K^T                 # [C,BV], [C,BV], [C,C]
+    X   = V - E KS                                      # E = diag(exp(gam))
+    Ag  = (G * A) diag(beta),  P = G * tril(QK)         # G_ij = exp(gam_i - gam_j), i >= j
+    U   = Ag X                                          # FLA's v_new, never stored
+    O   = scale * (E QS + P U)
+    S1  = exp(gam_C) S0 + K^T (D U),  D = diag(exp(gam_C - gam))
+
+Only o, the final state and (on request) the chunk-start states h reach global memory.
+Every exponent is <= 0 and evaluated as exp2 of log2-scaled gates. Rows past the end of
+the sequence are masked: they read the last valid gam, get beta = 0, and are not stored.
+"""
+
+import math
+
+import tilelang
+import tilelang.language as T
+
+from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET
+
+LOG2E = math.log2(math.e)
+
+
+@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
+def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool):
+    """Build the fused forward for one static configuration.
+
+    Kernel arguments (packed token layout, Tt = total tokens, N sequences):
+        q, k            [Tt, Hk, K]     dtype
+        v               [Tt, Hv, V]     dtype
+        g_cumsum        [Tt, Hv]        fp32, chunk-local cumsum of the log gate
+        beta            [Tt, Hv]        fp32
+        A               [Tt, Hv, C]     dtype, gate-free inverse per chunk row
+        cu_seqlens      [N+1]           int32
+        chunk_offsets   [N+1]           int32, first chunk of each sequence (for h)
+        initial_state   [N, Hv, K, V]   fp32 (ignored unless has_initial_state)
+        scale           fp32 scalar
+        o               [Tt, Hv, V]     dtype out (rows of every sequence)
+        final_state     [N, Hv, K, V]   fp32 out
+        h               [NTh, Hv, K, V] fp32 out, chunk-start states (written if store_h)
+    """
+    C, BV = CHUNK, BLOCK_V
+    Tt, Hk, Hv, N, N1, NTh = T.dynamic("Tt, Hk, Hv, N, N1, NTh")
+    f32 = "float32"
+
+    @T.prim_func
+    def kernel(
+        q: T.Tensor((Tt, Hk, K), dtype),
+        k: T.Tensor((Tt, Hk, K), dtype),
+        v: T.Tensor((Tt, Hv, V), dtype),
+        g_cumsum: T.Tensor((Tt, Hv), f32),
+        beta: T.Tensor((Tt, Hv), f32),
+        A: T.Tensor((Tt, Hv, C), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        initial_state: T.Tensor((N, Hv, K, V), f32),
+        scale: T.float32,
+        o: T.Tensor((Tt, Hv, V), dtype),
+        final_state: T.Tensor((N, Hv, K, V), f32),
+        h_out: T.Tensor((NTh, Hv, K, V), f32),
+    ):
+        with T.Kernel(N * Hv, V // BV, threads=FWD_THREADS) as (bx, by):
+            q_shared = T.alloc_shared((C, K), dtype)
+            k_shared = T.alloc_shared((C, K), dtype)
+            v_shared = T.alloc_shared((C, BV), dtype)
+            a_shared = T.alloc_shared((C, C), dtype)
+            gam_shared = T.alloc_shared((C,), f32)            # log2-scaled chunk cumsum
+            beta_shared = T.alloc_shared((C,), f32)
+            gam_frag = T.alloc_fragment((C,), f32)
+            beta_frag = T.alloc_fragment((C,), f32)
+            s_frag = T.alloc_fragment((K, BV), f32)           # the state S, fp32
+            s_shared = T.alloc_shared((K, BV), dtype)         # S as a GEMM operand
+            ks_frag = T.alloc_fragment((C, BV), f32)
+            qk_frag = T.alloc_fragment((C, C), f32)
+            x_shared = T.alloc_shared((C, BV), dtype)
+            ag_shared = T.alloc_shared((C, C), dtype)
+            p_shared = T.alloc_shared((C, C), dtype)
+            u_frag = T.alloc_fragment((C, BV), f32)
+            u_shared = T.alloc_shared((C, BV), dtype)
+            du_shared = T.alloc_shared((C, BV), dtype)
+            o_frag = T.alloc_fragment((C, BV), f32)
+            o_shared = T.alloc_shared((C, BV), dtype)
+
+            n = bx // Hv
+            h = bx % Hv
+            hk = h // (Hv // Hk)                              # GVA: value head -> q/k head
+            v0 = by * BV
+            bos = cu_seqlens[n]
+            seq_len = cu_seqlens[n + 1] - bos
+
+            if has_initial_state:
+                T.copy(initial_state[n, h, :, v0:v0 + BV], s_frag)
+            else:
+                T.clear(s_frag)
+
+            for c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=FWD_STAGES):
+                t0 = bos + c * C
+                rows = T.min(seq_len - c * C, C)             # valid rows of this chunk
+                T.copy(q[t0:t0 + C, hk, :], q_shared)
+                T.copy(k[t0:t0 + C, hk, :], k_shared)
+                T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_shared)
+                T.copy(A[t0:t0 + C, h, :], a_shared)
+                # Gates go global -> registers -> shared inside the consumer: a direct
+                # global -> shared copy would join the producer's stage ring and be
+                # released (and overwritten) with q, while it is still being read.
+                for i in T.Parallel(C):
+                    # missing tail rows repeat the last valid gam and write nothing
+                    gam_frag[i] = g_cumsum[t0 + T.min(i, rows - 1), h] * LOG2E
+                    beta_frag[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
+                for i in T.Parallel(C):
+                    gam_shared[i] = gam_frag[i]
+                    beta_shared[i] = beta_frag[i]
+
+                if store_h:
+                    T.copy(s_frag, h_out[chunk_offsets[n] + c, h, :, v0:v0 + BV])
+                T.copy(s_frag, s_shared)
+                T.gemm(k_shared, s_shared, ks_frag, clear_accum=True)                  # K S0
+                T.gemm(q_shared, s_shared, o_frag, clear_accum=True)                   # Q S0
+                T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
+
+                for i, j in T.Parallel(C, BV):
+                    x_shared[i, j] = v_shared[i, j] - T.exp2(gam_shared[i]) * ks_frag[i, j]
+                for i, j in T.Parallel(C, C):
+                    live = (i >= j) & (i < rows)
+                    decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
+                    ag_shared[i, j] = T.if_then_else(
+                        live, a_shared[i, j] * decay * beta_shared[j], 0.0)
+                    p_shared[i, j] = T.if_then_else(live, qk_frag[i, j] * decay, 0.0)
+                T.gemm(ag_shared, x_shared, u_frag, clear_accum=True)                  # U = Ag X
+                T.copy(u_frag, u_shared)
+
+                for i, j in T.Parallel(C, BV):
+                    o_frag[i, j] = o_frag[i, j] * T.exp2(gam_shared[i])
+                T.gemm(p_shared, u_shared, o_frag)                                     # + P U
+                for i, j in T.Parallel(C, BV):
+                    o_shared[i, j] = o_frag[i, j] * scale
+                for i, j in T.Parallel(C, BV):
+                    if i < rows:
+                        o[t0 + i, h, v0 + j] = o_shared[i, j]
+
+                for i, j in T.Parallel(C, BV):
+                    du_shared[i, j] = T.exp2(gam_shared[C - 1] - gam_shared[i]) * u_frag[i, j]
+                for i, j in T.Parallel(K, BV):
+                    s_frag[i, j] = s_frag[i, j] * T.exp2(gam_shared[C - 1])
+                T.gemm(k_shared, du_shared, s_frag, transpose_A=True)                  # + K^T D U
+
+            T.copy(s_frag, final_state[n, h, :, v0:v0 + BV])
+
+    return kernel

@@ -1,0 +1,61 @@
+"""Where the chunks are: per-call index tensors built on the device, without a host sync.
+
+Every kernel works on the packed token layout ``[Tt, H, D]`` (dense ``[B, T]`` inputs are
+B sequences of length T). A chunk never straddles two sequences, so the chunk list
+depends on ``cu_seqlens``. Its length is only known on the device; the grids use the
+upper bound ``ceil(Tt / C) + N`` and mark the unused rows with -1, which keeps the
+path free of host syncs and safe under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from flash_qla.utils import tensor_cache
+
+from .traits import CHUNK
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    cu_seqlens: torch.Tensor      # [N+1] int32
+    chunk_offsets: torch.Tensor   # [N+1] int32, first chunk of each sequence
+    chunk_idx: torch.Tensor       # [NTmax, 2] int32, (sequence, chunk in sequence) or -1
+    num_seqs: int                 # N
+    num_chunks_max: int           # NTmax >= real number of chunks
+
+
+def _build(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
+    cu = cu_seqlens.to(torch.int32)
+    n = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]                                          # [N]
+    chunks = (lens + CHUNK - 1) // CHUNK                             # [N]
+    offsets = torch.zeros(n + 1, dtype=torch.int32, device=cu.device)
+    offsets[1:] = torch.cumsum(chunks, 0)                            # [N+1]
+    nt_max = max(1, -(-num_tokens // CHUNK) + n)
+    idx = torch.arange(nt_max, dtype=torch.int32, device=cu.device)  # [NTmax]
+    seq = torch.searchsorted(offsets[1:], idx, right=True).clamp_(max=max(n - 1, 0))
+    live = idx < offsets[-1]
+    chunk_idx = torch.stack(
+        [torch.where(live, seq.to(torch.int32), -1),
+         torch.where(live, idx - offsets[seq], -1)], dim=1).contiguous()  # [NTmax, 2]
+    return ChunkLayout(cu, offsets, chunk_idx, n, nt_max)
+
+
+@tensor_cache
+def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
+    """Layout for packed sequences (cached while the same cu_seqlens tensor is passed)."""
+    return _build(cu_seqlens, num_tokens)
+
+
+_DENSE: dict[tuple, ChunkLayout] = {}
+
+
+def dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
+    """Layout for B sequences of length T (cached per shape and device)."""
+    key = (batch, seq_len, device)
+    if key not in _DENSE:
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
+        _DENSE[key] = _build(cu, batch * seq_len)
+    return _DENSE[key]

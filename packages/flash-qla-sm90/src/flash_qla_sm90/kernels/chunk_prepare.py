@@ -1,0 +1,96 @@
+"""Per-chunk preparation, all chunks in parallel: the gate cumsum and the gate-free inverse.
+
+For each chunk (rows i, j in [0, C)) and value head (gdn-math.md, "Chunked form"):
+
+    gam = cumsum(g)                                   # [C] fp32, chunk-local
+    N   = strictly_lower(diag(beta) K K^T)            # [C, C]
+    A   = (I + N)^-1                                  # [C, C] unit lower-triangular
+
+A depends only on k and beta, so no exponent of the gate enters it. The inverse is a
+forward substitution done in fp32: thread j owns column j of A and walks the rows,
+``A[i, j] = delta_ij - sum_{m<i} N[i, m] A[m, j]``; N lives in shared memory and is read
+by broadcast, so the sweep needs no barrier. Rows past the end of a sequence act as
+k = beta = 0 and are not written.
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .traits import CHUNK, PASS_CONFIGS, PREPARE_THREADS, TARGET
+
+
+@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
+def chunk_prepare_kernel(dtype: str, K: int):
+    """Build the prepare kernel for q/k dtype ``dtype`` and key dim ``K``.
+
+    Kernel arguments (packed token layout, Tt = total tokens, NTmax >= real chunks):
+        k           [Tt, Hk, K]  dtype
+        g           [Tt, Hv]     fp32, raw per-token log decay
+        beta        [Tt, Hv]     fp32
+        cu_seqlens  [N+1]        int32
+        chunk_idx   [NTmax, 2]   int32, (sequence, chunk within it); -1 rows are skipped
+        g_cumsum    [Tt, Hv]     fp32 out
+        A           [Tt, Hv, C]  dtype out
+    """
+    C = CHUNK
+    Tt, Hk, Hv, N1, NTmax = T.dynamic("Tt, Hk, Hv, N1, NTmax")
+    f32 = "float32"
+
+    @T.prim_func
+    def kernel(
+        k: T.Tensor((Tt, Hk, K), dtype),
+        g: T.Tensor((Tt, Hv), f32),
+        beta: T.Tensor((Tt, Hv), f32),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_idx: T.Tensor((NTmax, 2), "int32"),
+        g_cumsum: T.Tensor((Tt, Hv), f32),
+        A: T.Tensor((Tt, Hv, C), dtype),
+    ):
+        with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
+            k_shared = T.alloc_shared((C, K), dtype)
+            kkt_frag = T.alloc_fragment((C, C), f32)
+            n_shared = T.alloc_shared((C, C), f32)            # N = strictly_lower(diag(beta) K K^T)
+            beta_shared = T.alloc_shared((C,), f32)
+            g_shared = T.alloc_shared((C,), f32)
+            a_col = T.alloc_local((C,), f32)                  # one column of A per thread
+            acc = T.alloc_local((1,), f32)
+
+            chunk = bid // Hv
+            h = bid % Hv
+            seq = chunk_idx[chunk, 0]
+            if seq >= 0:
+                c = chunk_idx[chunk, 1]
+                t0 = cu_seqlens[seq] + c * C                  # first token of the chunk
+                rows = T.min(cu_seqlens[seq + 1] - t0, C)     # valid rows, 1..C
+                hk = h // (Hv // Hk)                          # GVA: value head -> q/k head
+
+                T.copy(k[t0:t0 + C, hk, :], k_shared)
+                T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
+                for i in T.Parallel(C):
+                    beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
+                    g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
+                for i, j in T.Parallel(C, C):
+                    n_shared[i, j] = T.if_then_else(
+                        (i > j) & (i < rows), beta_shared[i] * kkt_frag[i, j], 0.0)
+
+                tx = T.get_thread_binding()
+                if tx < C:
+                    T.clear(a_col)
+                    # chunk-local cumsum of the gate, row tx
+                    acc[0] = 0.0
+                    for m in T.serial(C):
+                        if m <= tx:
+                            acc[0] += g_shared[m]
+                    if tx < rows:
+                        g_cumsum[t0 + tx, h] = acc[0]
+                    # forward substitution for column tx of A
+                    for i in T.unroll(C):
+                        acc[0] = T.if_then_else(i == tx, 1.0, 0.0)
+                        for m in T.unroll(i):
+                            acc[0] -= n_shared[i, m] * a_col[m]
+                        a_col[i] = acc[0]
+                    for i in T.unroll(C):
+                        if i < rows:
+                            A[t0 + i, h, tx] = T.cast(a_col[i], dtype)
+
+    return kernel

@@ -1,0 +1,80 @@
+"""Forward orchestrator of the Hopper backend: prepare (gate cumsum + inverse), then the
+fused chunk-recurrent kernel. Shapes follow ``flash_qla.backend.Kernels.fwd``."""
+
+from __future__ import annotations
+
+import torch
+
+from .chunk_fwd import chunk_fwd_kernel
+from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
+from .chunk_prepare import chunk_prepare_kernel
+from .traits import CHUNK
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        return dense_layout(B, T, q.device)
+    return varlen_layout(cu_seqlens, B * T)
+
+
+def _packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, T, ...] -> contiguous [B*T, ...], optionally cast."""
+    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return (x if dtype is None else x.to(dtype)).contiguous()
+
+
+def _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens: int) -> bool:
+    """Whether outputs need zero-init: tokens after cu_seqlens[-1] belong to no sequence."""
+    if cu_seqlens is None:
+        return False
+    if cu_seqlens_cpu is not None:
+        return int(cu_seqlens_cpu[-1]) < num_tokens
+    return True          # unknown without a host sync: zero-init
+
+
+def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
+    if cu_seqlens_cpu is not None:
+        lens = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
+        return int(((lens + CHUNK - 1) // CHUNK).sum())
+    return int(layout.chunk_offsets[-1].item())   # host sync, only for output_h
+
+
+def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+              output_final_state, output_h):
+    """Forward; returns (g_cumsum, A, o, h, final_state) (see Kernels.fwd)."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2:]
+    Tt = B * T
+    dtype_name = _DTYPE_NAMES[q.dtype]
+    layout = layout_for(q, cu_seqlens)
+    alloc = torch.zeros if _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt) else torch.empty
+    dev = q.device
+
+    q_p, k_p, v_p = _packed(q), _packed(k), _packed(v)           # [Tt, H, D]
+    g_p = _packed(g, torch.float32)                               # [Tt, Hv]
+    beta_p = _packed(beta, torch.float32)                         # [Tt, Hv]
+    g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=dev)
+    A = alloc(Tt, Hv, CHUNK, dtype=q.dtype, device=dev)
+    chunk_prepare_kernel(dtype_name, K)(
+        k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
+
+    N = layout.num_seqs
+    o = alloc(Tt, Hv, V, dtype=q.dtype, device=dev)
+    final_state = torch.empty(N, Hv, K, V, dtype=torch.float32, device=dev)
+    has_h0 = initial_state is not None
+    h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
+    if output_h:
+        h = torch.empty(total_chunks(layout, cu_seqlens_cpu), Hv, K, V,
+                        dtype=torch.float32, device=dev)
+    else:
+        h = final_state.new_empty(1, Hv, K, V)
+    chunk_fwd_kernel(dtype_name, K, V, has_h0, output_h)(
+        q_p, k_p, v_p, g_cumsum, beta_p, A, layout.cu_seqlens, layout.chunk_offsets,
+        h0, float(scale), o, final_state, h)
+
+    return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
+            h.unsqueeze(0) if output_h else None,
+            final_state if output_final_state else None)

@@ -1,0 +1,71 @@
+"""Ship compiled kernels with the wheel, and build them ahead of time.
+
+TileLang keys its cache on the kernel's text, the target, the pass configs and its own
+version, not on the GPU (tilelang-notes.md), so kernels compiled for ``sm_90a`` on any
+machine load on the H200 without compiling. ``python -m flash_qla_sm90.kernels.kernel_cache
+DIR`` compiles every static variant into DIR; the package build copies that directory
+into ``flash_qla_sm90/kernel_cache/``; on first load it is copied into a writable cache
+directory (TileLang writes staging folders next to its entries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+SHIPPED = Path(__file__).resolve().parent.parent / "kernel_cache"
+
+
+def _user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flash-qla" / "tilelang"
+
+
+def use_shipped_cache() -> None:
+    """Point TileLang at a cache seeded with the shipped kernels, unless the user chose one."""
+    if "TILELANG_CACHE_DIR" in os.environ or not SHIPPED.is_dir():
+        return
+    target = _user_cache_dir()
+    stamp = target / f".seeded-{SHIPPED.stat().st_mtime_ns}"
+    if not stamp.exists():
+        shutil.copytree(SHIPPED, target, dirs_exist_ok=True)
+        stamp.touch()
+    os.environ["TILELANG_CACHE_DIR"] = str(target)
+
+
+def variants():
+    """Every (builder, args) the backend can launch; compiled ahead of time."""
+    from .chunk_fwd import chunk_fwd_kernel
+    from .chunk_prepare import chunk_prepare_kernel
+    from .traits import DTYPES, HEAD_DIMS
+
+    for dtype in DTYPES:
+        for K, V in HEAD_DIMS:
+            yield chunk_prepare_kernel, (dtype, K)
+            for has_h0 in (False, True):
+                for store_h in (False, True):
+                    yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h)
+
+
+def compile_all(cache_dir: str) -> int:
+    """Compile every variant into ``cache_dir``; returns how many."""
+    os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(cache_dir)
+    os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+    count = 0
+    for builder, args in variants():
+        builder(*args)
+        count += 1
+    return count
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=compile_all.__doc__)
+    parser.add_argument("cache_dir", help="TileLang cache directory to fill")
+    args = parser.parse_args(argv)
+    print(f"compiled {compile_all(args.cache_dir)} kernels into {args.cache_dir}")
+
+
+if __name__ == "__main__":
+    main()

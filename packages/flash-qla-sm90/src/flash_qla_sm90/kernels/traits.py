@@ -1,0 +1,30 @@
+"""Static configuration of the Hopper kernels (what an arch package owns).
+
+Every value here is part of a compiled kernel's identity; everything else (B, T,
+Hk, Hv, N, sequence lengths) is dynamic and never triggers a recompilation.
+"""
+
+#: Explicit target so the kernels compile on a machine without a GPU
+#: (plain "sm_90" fails in nvcc for warp-specialised code; tilelang-notes.md).
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+#: Chunk length C of the chunked form (gdn-math.md); one WGMMA M-tile.
+CHUNK = 64
+
+#: Head dims served: (K, V).
+HEAD_DIMS = ((128, 128),)
+
+#: q/k/v dtypes served, by torch name.
+DTYPES = ("bfloat16", "float16")
+
+#: V columns of the state owned by one CTA of the fused forward (S tile K x BLOCK_V).
+BLOCK_V = 64
+
+#: Threads of the fused forward's consumer warpgroups and of the prepare kernel.
+FWD_THREADS = 256
+PREPARE_THREADS = 128
+
+#: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
+FWD_STAGES = 2
+
+PASS_CONFIGS = {}

@@ -1,0 +1,420 @@
+"""The public API on CPU (torch backend) against the fp64 token-by-token recurrence.
+
+The oracle is ``flash_qla.reference.recurrent_gated_delta_rule`` in float64, with the
+options applied by their definitions (written here independently of flash_qla.api),
+and ``torch.autograd`` through it gives every reference gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_qla
+from flash_qla import dispatch
+from flash_qla.reference import TORCH_KERNELS, recurrent_gated_delta_rule
+from tests.helpers import rel_l2
+
+FP64_TOL = 1e-10
+
+
+@dataclass(frozen=True)
+class Config:
+    B: int
+    T: int
+    Hk: int
+    Hv: int
+    K: int
+    V: int
+    cu_seqlens: tuple[int, ...] | None = None
+
+    @property
+    def N(self) -> int:
+        return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+
+CONFIGS = {
+    "B2-T75-Hk2-Hv4-K8-V16": Config(B=2, T=75, Hk=2, Hv=4, K=8, V=16),
+    # sequences: empty, 70 tokens, 1 token, 69 tokens; then 10 padding tokens
+    "varlen-B1-T150-Hk1-Hv2-K16-V8-empty-len1-padding": Config(
+        B=1, T=150, Hk=1, Hv=2, K=16, V=8, cu_seqlens=(0, 0, 70, 71, 140)),
+}
+BIG = Config(B=1, T=70, Hk=1, Hv=1, K=128, V=128)
+VARLEN = CONFIGS["varlen-B1-T150-Hk1-Hv2-K16-V8-empty-len1-padding"]
+
+
+def make_inputs(cfg: Config, dtype=torch.float64, g_dtype=None, beta_dtype=None,
+                *, gate_params: bool = False, v_first: bool = False, seed: int = 0) -> dict:
+    """Leaf tensors (requires_grad) of one call; k unit-norm, g typical log decay."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    h0_shape = (cfg.N, cfg.Hv, cfg.V, cfg.K) if v_first else (cfg.N, cfg.Hv, cfg.K, cfg.V)
+    raw = dict(
+        q=(randn(cfg.B, cfg.T, cfg.Hk, cfg.K), dtype),
+        k=(F.normalize(randn(cfg.B, cfg.T, cfg.Hk, cfg.K), dim=-1), dtype),
+        v=(randn(cfg.B, cfg.T, cfg.Hv, cfg.V), dtype),
+        g=(F.logsigmoid(randn(cfg.B, cfg.T, cfg.Hv) + 2), g_dtype or dtype),
+        beta=(torch.sigmoid(randn(cfg.B, cfg.T, cfg.Hv)), beta_dtype or dtype),
+        initial_state=(randn(*h0_shape), state_dtype),
+    )
+    if gate_params:
+        raw["g"] = (randn(cfg.B, cfg.T, cfg.Hv), g_dtype or dtype)    # raw pre-activation
+        raw["A_log"] = (randn(cfg.Hv) * 0.5, torch.float32)
+        raw["dt_bias"] = (randn(cfg.Hv), torch.float32)
+    return {n: x.to(d).requires_grad_() for n, (x, d) in raw.items()}
+
+
+def cu_tensor(cfg: Config) -> torch.Tensor | None:
+    return None if cfg.cu_seqlens is None else torch.tensor(cfg.cu_seqlens, dtype=torch.int32)
+
+
+def l2_by_definition(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def oracle(inputs: dict, cfg: Config, *, scale=None, l2norm=False, v_first=False,
+           gate=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, final_state) by the fp64 recurrence, options applied by their definitions."""
+    x = {n: t.double() for n, t in inputs.items()}
+    q, k, g, h0 = x["q"], x["k"], x["g"], x["initial_state"]
+    if l2norm:
+        q, k = l2_by_definition(q), l2_by_definition(k)
+    if gate:
+        g = -torch.exp(x["A_log"]) * F.softplus(g + x.get("dt_bias", 0.0))
+    if v_first:
+        h0 = h0.transpose(-1, -2)
+    o, ht = recurrent_gated_delta_rule(q, k, x["v"], g, x["beta"], scale=scale,
+                                       initial_state=h0, cu_seqlens=cu_tensor(cfg),
+                                       output_final_state=True)
+    return o, (ht.transpose(-1, -2) if v_first else ht)
+
+
+def grads(outputs, inputs: dict, seed: int = 1) -> dict:
+    """Gradients of <o, do> + <final_state, dht> (fixed random do, dht) w.r.t. inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    o, ht = outputs
+    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
+    if ht is not None:
+        loss = loss + (ht.double() * torch.randn(ht.shape, generator=gen,
+                                                 dtype=torch.float64)).sum()
+    names = list(inputs)
+    values = torch.autograd.grad(loss, [inputs[n] for n in names], allow_unused=True)
+    return dict(zip(names, values))
+
+
+def errors(actual: dict, expected: dict) -> dict:
+    return {name: rel_l2(actual[name], expected[name]) for name in expected}
+
+
+def too_large(errs: dict, tol: float) -> dict:
+    return {name: e for name, e in errs.items() if not e < tol}
+
+
+# --------------------------------------------------------------------------------------
+# Values and gradients, fp64, every option
+# --------------------------------------------------------------------------------------
+
+# id -> (API keyword arguments, oracle options, extra make_inputs options)
+OPTIONS = {
+    "plain": ({}, {}, {}),
+    "custom-scale": ({"scale": 0.3}, {"scale": 0.3}, {}),
+    "state_v_first": ({"state_v_first": True}, {"v_first": True}, {"v_first": True}),
+    "transpose_state_layout": ({"transpose_state_layout": True}, {"v_first": True},
+                               {"v_first": True}),
+    "qk-l2norm": ({"use_qk_l2norm_in_kernel": True}, {"l2norm": True}, {}),
+    "gate-in-kernel": ({"use_gate_in_kernel": True}, {"gate": True}, {"gate_params": True}),
+    "all-options": ({"scale": 0.7, "state_v_first": True, "use_qk_l2norm_in_kernel": True,
+                     "use_gate_in_kernel": True},
+                    {"scale": 0.7, "v_first": True, "l2norm": True, "gate": True},
+                    {"v_first": True, "gate_params": True}),
+}
+
+
+def run_api(inputs: dict, cfg: Config, **kwargs):
+    return flash_qla.chunk_gated_delta_rule(**inputs, cu_seqlens=cu_tensor(cfg),
+                                            output_final_state=True, **kwargs)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_fp64_recurrence(config, option):
+    cfg = CONFIGS[config]
+    api_kwargs, oracle_kwargs, input_kwargs = OPTIONS[option]
+    inputs = make_inputs(cfg, **input_kwargs)
+    out, ref = run_api(inputs, cfg, **api_kwargs), oracle(inputs, cfg, **oracle_kwargs)
+    actual = {"o": out[0], "final_state": out[1], **grads(out, inputs)}
+    expected = {"o": ref[0], "final_state": ref[1], **grads(ref, inputs)}
+    assert set(actual) >= {"A_log", "dt_bias"} or "gate" not in oracle_kwargs
+    assert too_large(errors(actual, expected), FP64_TOL) == {}
+
+
+def test_gate_in_kernel_without_dt_bias():
+    inputs = make_inputs(VARLEN, gate_params=True)
+    del inputs["dt_bias"]
+    out = run_api(inputs, VARLEN, use_gate_in_kernel=True)
+    ref = oracle(inputs, VARLEN, gate=True)
+    actual = {"o": out[0], "final_state": out[1], **grads(out, inputs)}
+    expected = {"o": ref[0], "final_state": ref[1], **grads(ref, inputs)}
+    assert too_large(errors(actual, expected), FP64_TOL) == {}
+
+
+def test_head_dims_128():
+    inputs = make_inputs(BIG)
+    out, ref = run_api(inputs, BIG), oracle(inputs, BIG)
+    actual = {"o": out[0], "final_state": out[1], **grads(out, inputs)}
+    expected = {"o": ref[0], "final_state": ref[1], **grads(ref, inputs)}
+    assert too_large(errors(actual, expected), FP64_TOL) == {}
+
+
+def test_padding_tokens_get_exact_zeros():
+    inputs = make_inputs(VARLEN, gate_params=True)
+    out = run_api(inputs, VARLEN, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    pad = slice(VARLEN.cu_seqlens[-1], None)
+    g = grads(out, inputs)
+    padded = {"o": out[0], **{n: g[n] for n in ("q", "k", "v", "g", "beta")}}
+    nonzero = {n: x[:, pad].abs().max().item() for n, x in padded.items() if x[:, pad].any()}
+    assert nonzero == {}
+
+
+def test_empty_sequence_keeps_its_initial_state():
+    inputs = make_inputs(VARLEN)
+    _, final_state = run_api(inputs, VARLEN)
+    assert torch.equal(final_state[0], inputs["initial_state"][0].detach())
+
+
+# --------------------------------------------------------------------------------------
+# Lower precisions, dtypes of outputs and gradients
+# --------------------------------------------------------------------------------------
+
+# id -> (q/k/v dtype, g dtype, beta dtype, tolerance on o and gradients vs fp64)
+PRECISIONS = {
+    "fp32": (torch.float32, torch.float32, torch.float32, 1e-4),
+    "bf16-qkv-fp32-g-beta": (torch.bfloat16, torch.float32, torch.float32, 5e-2),
+    "bf16-qkv-g-beta": (torch.bfloat16, torch.bfloat16, torch.bfloat16, 5e-2),
+    "fp16-qkv-fp32-g": (torch.float16, torch.float32, torch.float16, 2e-2),
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_lower_precision(precision):
+    dtype, g_dtype, beta_dtype, tol = PRECISIONS[precision]
+    inputs = make_inputs(VARLEN, dtype, g_dtype, beta_dtype)
+    out = run_api(inputs, VARLEN)
+    actual = {"o": out[0], "final_state": out[1], **grads(out, inputs)}
+    ref = oracle(inputs, VARLEN)
+    expected = {"o": ref[0], "final_state": ref[1], **grads(ref, inputs)}
+    dtypes = {n: x.dtype for n, x in actual.items()}
+    assert dtypes == {"o": dtype, "final_state": torch.float32,
+                      **{n: x.dtype for n, x in inputs.items()}}
+    assert too_large(errors(actual, expected), tol) == {}
+
+
+# --------------------------------------------------------------------------------------
+# Which outputs are used, and what the autograd Function hands the backend
+# --------------------------------------------------------------------------------------
+
+def test_without_final_state():
+    inputs = make_inputs(VARLEN)
+    o, final_state = flash_qla.chunk_gated_delta_rule(**inputs, cu_seqlens=cu_tensor(VARLEN))
+    assert final_state is None
+    ref_o, _ = oracle(inputs, VARLEN)
+    assert too_large(errors(grads((o, None), inputs), grads((ref_o, None), inputs)),
+                     FP64_TOL) == {}
+
+
+def test_only_final_state_in_loss():
+    inputs = make_inputs(VARLEN)
+    _, ht = run_api(inputs, VARLEN)
+    _, ref_ht = oracle(inputs, VARLEN)
+    actual = torch.autograd.grad(ht.sum(), list(inputs.values()), materialize_grads=True)
+    expected = torch.autograd.grad(ref_ht.sum(), list(inputs.values()),
+                                   materialize_grads=True)  # q: unused, zeros
+    assert too_large(errors(dict(enumerate(actual)), dict(enumerate(expected))), FP64_TOL) == {}
+
+
+class SpyKernels:
+    """Wraps the torch backend and records what the core passes to it."""
+
+    def __init__(self):
+        self.fwd_calls, self.bwd_calls = [], []
+
+    def fwd(self, *args, **kwargs):
+        result = TORCH_KERNELS.fwd(*args, **kwargs)
+        self.fwd_calls.append((args, kwargs, result))
+        return result
+
+    def bwd(self, *args, **kwargs):
+        self.bwd_calls.append((args, kwargs))
+        return TORCH_KERNELS.bwd(*args, **kwargs)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Every get_kernels call returns the torch spec with a SpyKernels; records kwargs."""
+    kernels, requests = SpyKernels(), []
+
+    def fake_get_kernels(device, **kwargs):
+        requests.append(kwargs)
+        return dispatch.TORCH_BACKEND, kernels
+
+    monkeypatch.setattr(dispatch, "get_kernels", fake_get_kernels)
+    kernels.requests = requests
+    return kernels
+
+
+def test_backward_gets_saved_g_cumsum_and_A(spy):
+    inputs = make_inputs(VARLEN)
+    grads(run_api(inputs, VARLEN), inputs)
+    (_, fwd_kwargs, (g_cumsum, A, _, _, _)), = spy.fwd_calls
+    (bwd_args, bwd_kwargs), = spy.bwd_calls
+    assert fwd_kwargs["output_h"] is False
+    assert bwd_args[3] is g_cumsum and bwd_args[5] is A
+    assert bwd_kwargs["scale"] == VARLEN.K ** -0.5
+
+
+def test_backend_keyword_is_passed_to_dispatch(spy):
+    inputs = make_inputs(VARLEN)
+    run_api(inputs, VARLEN, backend="torch")
+    assert spy.requests == [{"K": VARLEN.K, "V": VARLEN.V, "dtype": torch.float64,
+                             "backend": "torch"}]
+
+
+def test_backend_torch_forced_on_cpu():
+    inputs = make_inputs(VARLEN)
+    forced = run_api(inputs, VARLEN, backend="torch")
+    default = run_api(inputs, VARLEN)
+    assert torch.equal(forced[0], default[0]) and torch.equal(forced[1], default[1])
+
+
+def test_non_contiguous_inputs_and_expanded_grad():
+    inputs = make_inputs(VARLEN)
+    v_t = inputs["v"].detach().transpose(2, 3).contiguous().transpose(2, 3).requires_grad_()
+    assert not v_t.is_contiguous()
+    o, _ = flash_qla.chunk_gated_delta_rule(**{**inputs, "v": v_t},
+                                            cu_seqlens=cu_tensor(VARLEN))
+    (dv,) = torch.autograd.grad(o.sum(), [v_t])        # do is an expanded (stride-0) tensor
+    ref_o, _ = oracle(inputs, VARLEN)
+    (ref_dv,) = torch.autograd.grad(ref_o.sum(), [inputs["v"]])
+    assert rel_l2(dv, ref_dv) < FP64_TOL
+
+
+# --------------------------------------------------------------------------------------
+# Compatibility keywords
+# --------------------------------------------------------------------------------------
+
+NOT_IMPLEMENTED = [
+    pytest.param({"head_first": True}, r"head_first=True", id="head_first"),
+    pytest.param({"cp_context": object()}, r"cp_context", id="cp_context"),
+    pytest.param({"enable_fwd_cp_cache": True}, r"enable_fwd_cp_cache=True",
+                 id="enable_fwd_cp_cache"),
+    pytest.param({"force_intra_cp": True}, r"force_intra_cp=True", id="force_intra_cp"),
+    pytest.param({"segment_len": 1024}, r"segment_len=1024", id="segment_len"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", NOT_IMPLEMENTED)
+def test_unsupported_compat_keywords_raise(kwargs, match):
+    inputs = make_inputs(VARLEN)
+    with pytest.raises(NotImplementedError, match=match):
+        run_api(inputs, VARLEN, **kwargs)
+
+
+ACCEPTED = [
+    pytest.param({"auto_cp": True}, id="auto_cp-True"),
+    pytest.param({"auto_cp": False}, id="auto_cp-False"),
+    pytest.param({"auto_cp": None, "enable_fwd_cp_cache": False, "force_intra_cp": False,
+                  "segment_len": None, "cp_context": None, "head_first": False},
+                 id="all-defaults-explicit"),
+    pytest.param({"cu_seqlens_cpu": torch.tensor(VARLEN.cu_seqlens)}, id="cu_seqlens_cpu"),
+]
+
+
+@pytest.mark.parametrize("kwargs", ACCEPTED)
+def test_accepted_compat_keywords_do_not_change_result(kwargs):
+    inputs = make_inputs(VARLEN)
+    with_kwargs = run_api(inputs, VARLEN, **kwargs)
+    plain = run_api(inputs, VARLEN)
+    assert torch.equal(with_kwargs[0], plain[0]) and torch.equal(with_kwargs[1], plain[1])
+
+
+def test_unknown_keyword_is_a_type_error():
+    inputs = make_inputs(VARLEN)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'use_cache'"):
+        run_api(inputs, VARLEN, use_cache=True)
+
+
+# --------------------------------------------------------------------------------------
+# Low-level pair
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_low_level_pair_matches_recurrence(config):
+    cfg = CONFIGS[config]
+    inputs = make_inputs(cfg)
+    plain = {n: x.detach() for n, x in inputs.items()}
+    g_cumsum, A, o, h, ht = flash_qla.chunk_gated_delta_rule_fwd(
+        **plain, cu_seqlens=cu_tensor(cfg))
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64)
+    dq, dk, dv, db, dg, dh0 = flash_qla.chunk_gated_delta_rule_bwd(
+        plain["q"], plain["k"], plain["v"], g_cumsum, plain["beta"], A, do, dht,
+        initial_state=plain["initial_state"], cu_seqlens=cu_tensor(cfg))
+    actual = {"o": o, "final_state": ht, "q": dq, "k": dk, "v": dv, "beta": db, "g": dg,
+              "initial_state": dh0}
+    ref = oracle(inputs, cfg)
+    expected = {"o": ref[0], "final_state": ref[1], **grads(ref, inputs)}
+    assert h is None
+    assert (g_cumsum.shape, A.shape) == ((cfg.B, cfg.T, cfg.Hv), (cfg.B, cfg.T, cfg.Hv, 64))
+    assert too_large(errors(actual, expected), FP64_TOL) == {}
+
+
+def test_low_level_chunk_states():
+    cfg = CONFIGS["B2-T75-Hk2-Hv4-K8-V16"]
+    inputs = {n: x.detach() for n, x in make_inputs(cfg).items()}
+    _, _, _, h, ht = flash_qla.chunk_gated_delta_rule_fwd(**inputs, output_h=True,
+                                                          output_final_state=False)
+    first64 = {n: x[:, :64] if n != "initial_state" else x for n, x in inputs.items()}
+    _, state64 = oracle(first64, cfg)
+    assert ht is None
+    assert h.shape == (cfg.B, 2, cfg.Hv, cfg.K, cfg.V)
+    assert torch.equal(h[:, 0], inputs["initial_state"])
+    assert rel_l2(h[:, 1], state64) < FP64_TOL
+
+
+def test_low_level_outputs_carry_no_graph():
+    inputs = make_inputs(VARLEN)
+    outputs = flash_qla.chunk_gated_delta_rule_fwd(**inputs, cu_seqlens=cu_tensor(VARLEN))
+    assert [x.requires_grad for x in outputs if x is not None] == [False] * 4
+
+
+# --------------------------------------------------------------------------------------
+# Package surface
+# --------------------------------------------------------------------------------------
+
+def test_import_is_light():
+    """No backend discovery, reference or TileLang at import (works without a GPU)."""
+    code = ("import sys, flash_qla; "
+            "loaded = sorted(m for m in ('flash_qla.dispatch', 'flash_qla.reference', "
+            "'tilelang') if m in sys.modules); print(loaded, flash_qla.__version__)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=True)
+    assert result.stdout.startswith("[] ")
+
+
+def test_public_names():
+    assert set(flash_qla.__all__) == {"__version__", "chunk_gated_delta_rule",
+                                      "chunk_gated_delta_rule_fwd",
+                                      "chunk_gated_delta_rule_bwd", "utils"}
+    assert isinstance(flash_qla.__version__, str) and flash_qla.__version__

@@ -1,0 +1,36 @@
+"""Shared test helpers. Import as ``from tests.helpers import rel_l2``.
+
+``tests/`` and ``tests/core/`` are packages (they hold ``__init__.py``), so pytest's
+default import mode puts the repository root on ``sys.path`` and the absolute import
+works from any test module, with ``pytest`` or ``python -m pytest``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error ``||actual - expected|| / ||expected||`` as a Python float.
+
+    Computed in float64 whatever the input dtypes. NaN-safe and strict:
+
+    * any NaN or inf in either tensor -> ``inf`` (so ``rel_l2(...) < tol`` fails);
+    * both all-zero (or both empty) -> ``0.0``;
+    * ``expected`` all-zero but ``actual`` not -> ``inf``.
+
+    Raises ``ValueError`` when the shapes differ (no silent broadcasting).
+    """
+    if actual.shape != expected.shape:
+        raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}")
+    a = actual.detach().to(device="cpu", dtype=torch.float64)
+    e = expected.detach().to(device="cpu", dtype=torch.float64)
+    if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
+        return math.inf
+    err = torch.linalg.vector_norm(a - e).item()
+    ref = torch.linalg.vector_norm(e).item()
+    if ref == 0.0:
+        return 0.0 if err == 0.0 else math.inf
+    return err / ref
