@@ -27,9 +27,9 @@ CPU_TORCH = "torch==2.13.0"
 RUFF = "ruff==0.17.6"
 
 
-def _install_packages(session: nox.Session, *pip_args: str) -> None:
-    """The four packages, editable; the core with its test and info extras."""
-    args = ["-e", "packages/flash-qla-core[test,info]"]
+def _install_packages(session: nox.Session, *pip_args: str, extras: str = "test,info") -> None:
+    """The four packages, editable; the core with ``extras``."""
+    args = ["-e", f"packages/flash-qla-core[{extras}]"]
     for package in PACKAGES[1:]:
         args += ["-e", f"packages/{package}"]
     session.install(*pip_args, *args)
@@ -71,8 +71,9 @@ def gpu(session: nox.Session) -> None:
                             silent=True).strip().endswith("True")
     if not has_torch:
         session.install("torch>=2.8")  # on Linux, PyPI's default torch is a CUDA build
-    # No build isolation: setuptools comes from the machine, so this also works offline.
-    _install_packages(session, "--no-build-isolation")
+    # No build isolation and no cuda-python: with the machine's setuptools, torch, TileLang
+    # and pytest this also works on an offline GPU host.
+    _install_packages(session, "--no-build-isolation", extras="test")
     cuda = session.run("python", "-c", "import torch; print(torch.cuda.is_available())",
                        silent=True).strip()
     if not cuda.endswith("True"):

@@ -32,11 +32,39 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402  (the shared module next to this script)
 
 DEFAULT_OUT = os.path.join(C.HERE, "results")
-CSV_FIELDS = ["mode", "hk", "hv", "layout", "tokens", "n_seqs", "impl", "status", "version",
-              "eager_ms", "graph_ms", "fwdbwd_eager_ms", "speedup_eager", "speedup_graph",
-              "err_max", "err_o", "err_ht", "err_grads_max", "inputs_match", "floor_ms",
-              "floor_frac", "rotations", "import_s", "first_call_s", "graph_status",
-              "reason", "gate", "seed", "dense_batch", "shape", "wall_s"]
+CSV_FIELDS = [
+    "mode",
+    "hk",
+    "hv",
+    "layout",
+    "tokens",
+    "n_seqs",
+    "impl",
+    "status",
+    "version",
+    "eager_ms",
+    "graph_ms",
+    "fwdbwd_eager_ms",
+    "speedup_eager",
+    "speedup_graph",
+    "err_max",
+    "err_o",
+    "err_ht",
+    "err_grads_max",
+    "inputs_match",
+    "floor_ms",
+    "floor_frac",
+    "rotations",
+    "import_s",
+    "first_call_s",
+    "graph_status",
+    "reason",
+    "gate",
+    "seed",
+    "dense_batch",
+    "shape",
+    "wall_s",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         epilog=(
             "Configurations. Forward grid: Hk/Hv in "
-            + ", ".join(f"{a}/{b}" for a, b in C.FWD_HEADS) + " x layouts "
-            + ", ".join(C.FWD_LAYOUTS) + f" ({len(C.forward_grid())} configs). Backward grid: "
-            + ", ".join(f"{a}/{b}" for a, b in C.BWD_HEADS) + " x "
-            + ", ".join(C.BWD_LAYOUTS) + f" ({len(C.backward_grid())} configs). "
+            + ", ".join(f"{a}/{b}" for a, b in C.FWD_HEADS)
+            + " x layouts "
+            + ", ".join(C.FWD_LAYOUTS)
+            + f" ({len(C.forward_grid())} configs). Backward grid: "
+            + ", ".join(f"{a}/{b}" for a, b in C.BWD_HEADS)
+            + " x "
+            + ", ".join(C.BWD_LAYOUTS)
+            + f" ({len(C.backward_grid())} configs). "
             "K = V = 128, bf16 q/k/v/beta, fp32 g, initial state in, final state out. "
             "varlen-a / varlen-b are two seeded random mixes of 32768 packed tokens "
             f"({C.VARLEN_MIXES['varlen-a'][1]} and {C.VARLEN_MIXES['varlen-b'][1]} sequences).\n\n"
@@ -67,72 +99,135 @@ def build_parser() -> argparse.ArgumentParser:
             "gets alpha = exp(g), packed [T,H,D] inputs and [N,H,V,K] states. FlashQLA 0.1.3 "
             "shares our import name and is imported from --flashqla-path in its own process.\n\n"
             "Exit codes: 0 done (rows may still say error/unsupported), 2 cannot run here "
-            "(no CUDA GPU, or our flash_qla not importable), 1 bad arguments."),
+            "(no CUDA GPU, or our flash_qla not importable), 1 bad arguments."
+        ),
     )
     sel = p.add_argument_group("what to run")
-    sel.add_argument("--mode", choices=["fwd", "bwd", "both"], default="both",
-                     help="forward grid, backward grid or both (default: both)")
-    sel.add_argument("--quick", action="store_true",
-                     help="a 5-configuration subset (" + ", ".join(C.QUICK) + "), meant to "
-                     "finish in under two minutes with ours and FLA")
-    sel.add_argument("--shapes", metavar="SPEC",
-                     help="comma-separated [fwd:|bwd:]HK/HV@LAYOUT items filtering the grid, "
-                     "shell wildcards allowed ('16/32@*', '*@varlen-*', 'fwd:2/8@1x2048'); an "
-                     "item without wildcards that is not in the grid is run as a custom "
-                     "configuration (LAYOUT: BxT, varlen-a, varlen-b or seqs=L1+L2+...)")
-    sel.add_argument("--list", action="store_true",
-                     help="print the selected configurations and exit (starts no worker)")
-    sel.add_argument("--peers", default="fla,flashinfer,flashqla",
-                     help="comma-separated peers among fla, flashinfer, flashqla, or 'none' "
-                     "(default: all; a peer that is absent is reported as 'not installed')")
-    sel.add_argument("--flashqla-path", metavar="DIR",
-                     help="directory holding FlashQLA 0.1.3's flash_qla package (e.g. "
-                     ".offline-gpu/peers/flashqla); without it FlashQLA 0.1.3 is 'not installed'. "
-                     "It JIT-compiles ~4.5 min per new (Hk, Hv) on first use")
-    sel.add_argument("--flashinfer-jit", action="store_true",
-                     help="let FlashInfer JIT-compile its GDN module if it is not prebuilt "
-                     "(more than 7.5 minutes on the H200 host); otherwise such a FlashInfer "
-                     "is reported as 'skipped'")
-    sel.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                     help="cuda (default; exits with code 2 when there is no GPU) or cpu: a "
-                     "tiny set (" + ", ".join(C.CPU_TINY) + ") with our torch backend, peers "
-                     "skipped")
+    sel.add_argument(
+        "--mode",
+        choices=["fwd", "bwd", "both"],
+        default="both",
+        help="forward grid, backward grid or both (default: both)",
+    )
+    sel.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 5-configuration subset (" + ", ".join(C.QUICK) + "), meant to "
+        "finish in under two minutes with ours and FLA",
+    )
+    sel.add_argument(
+        "--shapes",
+        metavar="SPEC",
+        help="comma-separated [fwd:|bwd:]HK/HV@LAYOUT items filtering the grid, "
+        "shell wildcards allowed ('16/32@*', '*@varlen-*', 'fwd:2/8@1x2048'); an "
+        "item without wildcards that is not in the grid is run as a custom "
+        "configuration (LAYOUT: BxT, varlen-a, varlen-b or seqs=L1+L2+...)",
+    )
+    sel.add_argument(
+        "--list",
+        action="store_true",
+        help="print the selected configurations and exit (starts no worker)",
+    )
+    sel.add_argument(
+        "--peers",
+        default="fla,flashinfer,flashqla",
+        help="comma-separated peers among fla, flashinfer, flashqla, or 'none' "
+        "(default: all; a peer that is absent is reported as 'not installed')",
+    )
+    sel.add_argument(
+        "--flashqla-path",
+        metavar="DIR",
+        help="directory holding FlashQLA 0.1.3's flash_qla package (e.g. "
+        ".offline-gpu/peers/flashqla); without it FlashQLA 0.1.3 is 'not installed'. "
+        "It JIT-compiles ~4.5 min per new (Hk, Hv) on first use",
+    )
+    sel.add_argument(
+        "--flashinfer-jit",
+        action="store_true",
+        help="let FlashInfer JIT-compile its GDN module if it is not prebuilt "
+        "(more than 7.5 minutes on the H200 host); otherwise such a FlashInfer "
+        "is reported as 'skipped'",
+    )
+    sel.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda (default; exits with code 2 when there is no GPU) or cpu: a "
+        "tiny set (" + ", ".join(C.CPU_TINY) + ") with our torch backend, peers "
+        "skipped",
+    )
     inp = p.add_argument_group("inputs")
-    inp.add_argument("--gate", choices=sorted(C.GATES), default="model",
-                     help="gate recipe: " + "; ".join(f"{k}: {v}" for k, v in C.GATES.items()))
+    inp.add_argument(
+        "--gate",
+        choices=sorted(C.GATES),
+        default="model",
+        help="gate recipe: " + "; ".join(f"{k}: {v}" for k, v in C.GATES.items()),
+    )
     inp.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
-    inp.add_argument("--dense-batch", action="store_true",
-                     help="pass uniform BxT layouts with B > 1 as dense [B, T] tensors instead "
-                     "of packed [1, B*T] + cu_seqlens (FlashInfer is always packed)")
+    inp.add_argument(
+        "--dense-batch",
+        action="store_true",
+        help="pass uniform BxT layouts with B > 1 as dense [B, T] tensors instead "
+        "of packed [1, B*T] + cu_seqlens (FlashInfer is always packed)",
+    )
     tim = p.add_argument_group("timing")
     tim.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (default 25)")
-    tim.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (default 100)")
+    tim.add_argument(
+        "--rep-ms", type=float, default=100.0, help="do_bench repetition time (default 100)"
+    )
     tim.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph column")
-    tim.add_argument("--cold-first-call", action="store_true",
-                     help="also measure first-call latency with empty Triton and TileLang "
-                     "caches (one extra worker per implementation on the first configuration; "
-                     "minutes for TileLang-based ones)")
-    tim.add_argument("--worker-timeout", type=float, default=900.0,
-                     help="seconds before a worker is killed and reported as 'timeout' (default 900)")
-    tim.add_argument("--ours-backend", default=None,
-                     help="backend= passed to our chunk_gated_delta_rule (default: automatic on "
-                     "cuda, 'torch' on cpu)")
+    tim.add_argument(
+        "--cold-first-call",
+        action="store_true",
+        help="also measure first-call latency with empty Triton, TileLang and "
+        "XDG kernel caches (one extra worker per implementation on the first configuration; "
+        "minutes for TileLang-based ones)",
+    )
+    tim.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=900.0,
+        help="seconds before a worker is killed and reported as 'timeout' (default 900)",
+    )
+    tim.add_argument(
+        "--ours-backend",
+        default=None,
+        help="backend= passed to our chunk_gated_delta_rule (default: automatic on "
+        "cuda, 'torch' on cpu)",
+    )
     out = p.add_argument_group("output")
-    out.add_argument("--out", default=DEFAULT_OUT,
-                     help="output directory (default: benchmark/results)")
-    out.add_argument("--tag", help="file-name stem (default: the GPU name, e.g. H200, plus "
-                     "-gate-<recipe> when --gate is not 'model'; 'cpu' on --device cpu)")
-    out.add_argument("--resume", action="store_true",
-                     help="keep the rows of an existing <tag>.json in --out and run only the "
-                     "missing or failed (implementation, configuration) pairs: lets the full "
-                     "grid be measured in several shorter commands")
-    out.add_argument("--tol", type=float, default=C.TOL,
-                     help=f"relative error above which a peer is flagged MISMATCH (default {C.TOL})")
-    out.add_argument("--from-json", metavar="FILE",
-                     help="render the table, markdown, CSV and plots from a results JSON "
-                     "written earlier (no measurement; e.g. where matplotlib is installed)")
-    out.add_argument("--keep-scratch", action="store_true",
-                     help="keep the worker scratch directory (specs, logs, reference tensors)")
+    out.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (default: benchmark/results)"
+    )
+    out.add_argument(
+        "--tag",
+        help="file-name stem (default: the GPU name, e.g. H200, plus "
+        "-gate-<recipe> when --gate is not 'model'; 'cpu' on --device cpu)",
+    )
+    out.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows of an existing <tag>.json in --out and run only the "
+        "missing or failed (implementation, configuration) pairs: lets the full "
+        "grid be measured in several shorter commands",
+    )
+    out.add_argument(
+        "--tol",
+        type=float,
+        default=C.TOL,
+        help=f"relative error above which a peer is flagged MISMATCH (default {C.TOL})",
+    )
+    out.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="render the table, markdown, CSV and plots from a results JSON "
+        "written earlier (no measurement; e.g. where matplotlib is installed)",
+    )
+    out.add_argument(
+        "--keep-scratch",
+        action="store_true",
+        help="keep the worker scratch directory (specs, logs, reference tensors)",
+    )
     return p
 
 
@@ -140,18 +235,43 @@ def build_parser() -> argparse.ArgumentParser:
 # Running
 # --------------------------------------------------------------------------------------
 
+
 def shape_row(shape: C.Shape) -> dict:
-    return {"shape": shape.key, "mode": shape.mode, "hk": shape.hk, "hv": shape.hv,
-            "layout": shape.layout, "tokens": shape.tokens, "n_seqs": shape.n_seqs,
-            "floor_ms": C.shape_floor(shape)["floor_ms"] if shape.mode == "fwd" else None}
+    return {
+        "shape": shape.key,
+        "mode": shape.mode,
+        "hk": shape.hk,
+        "hv": shape.hv,
+        "layout": shape.layout,
+        "tokens": shape.tokens,
+        "n_seqs": shape.n_seqs,
+        "floor_ms": C.shape_floor(shape)["floor_ms"] if shape.mode == "fwd" else None,
+    }
 
 
 def flatten(shape: C.Shape, impl: str, res: dict, args) -> dict:
-    row = {**shape_row(shape), "impl": impl, "gate": args.gate, "seed": args.seed,
-           "dense_batch": bool(args.dense_batch)}
-    for k in ("status", "reason", "version", "eager_ms", "graph_ms", "fwdbwd_eager_ms",
-              "graph_status", "rotations", "import_s", "first_call_s", "inputs_match",
-              "wall_s", "log_tail"):
+    row = {
+        **shape_row(shape),
+        "impl": impl,
+        "gate": args.gate,
+        "seed": args.seed,
+        "dense_batch": bool(args.dense_batch),
+    }
+    for k in (
+        "status",
+        "reason",
+        "version",
+        "eager_ms",
+        "graph_ms",
+        "fwdbwd_eager_ms",
+        "graph_status",
+        "rotations",
+        "import_s",
+        "first_call_s",
+        "inputs_match",
+        "wall_s",
+        "log_tail",
+    ):
         if res.get(k) is not None:
             row[k] = res[k]
     err = res.get("err")
@@ -180,9 +300,15 @@ def availability(peers: list[str], info: dict, args) -> dict:
                 why = f"not installed: no flash_qla/__init__.py under {args.flashqla_path}"
         elif str(versions.get(peer, "not installed")).startswith("not installed"):
             why = str(versions.get(peer, "not installed"))
-        elif peer == "flashinfer" and not info.get("flashinfer_gdn_built") and not args.flashinfer_jit:
-            why = ("skipped: FlashInfer's GDN module is not prebuilt (its JIT takes > 7.5 min); "
-                   "pass --flashinfer-jit to allow it")
+        elif (
+            peer == "flashinfer"
+            and not info.get("flashinfer_gdn_built")
+            and not args.flashinfer_jit
+        ):
+            why = (
+                "skipped: FlashInfer's GDN module is not prebuilt (its JIT takes > 7.5 min); "
+                "pass --flashinfer-jit to allow it"
+            )
         out[peer] = why
     return out
 
@@ -190,32 +316,58 @@ def availability(peers: list[str], info: dict, args) -> dict:
 def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, scratch: str):
     env = {"device": args.device, "capability": info.get("capability")}
     avail = availability(peers, info, args)
-    common_spec = {"task": "bench", "device": args.device, "gate": args.gate, "seed": args.seed,
-                   "dense_batch": args.dense_batch, "warmup_ms": args.warmup_ms,
-                   "rep_ms": args.rep_ms, "graphs": not args.no_graphs,
-                   "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
-                   "ours_backend": args.ours_backend, "capability": info.get("capability")}
+    common_spec = {
+        "task": "bench",
+        "device": args.device,
+        "gate": args.gate,
+        "seed": args.seed,
+        "dense_batch": args.dense_batch,
+        "warmup_ms": args.warmup_ms,
+        "rep_ms": args.rep_ms,
+        "graphs": not args.no_graphs,
+        "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
+        "ours_backend": args.ours_backend,
+        "capability": info.get("capability"),
+    }
     bar = C.progress(shapes, desc=f"benchmark ({args.device})")
     for shape in bar:
         safe = shape.key.replace(":", "-").replace("/", "_").replace("@", "-")
         ref_path = os.path.join(scratch, f"{safe}.ours.pt")
         done = lambda r: bool(r) and r.get("status") in ("ok", "unsupported")  # noqa: E731
         todo = [i for i in ["ours"] + peers if not done(rows.get((shape.key, i)))]
-        if todo and "ours" not in todo and any(
-                not (C.static_unsupported(i, shape, env) or avail.get(i)) for i in todo):
+        if (
+            todo
+            and "ours" not in todo
+            and any(not (C.static_unsupported(i, shape, env) or avail.get(i)) for i in todo)
+        ):
             todo.insert(0, "ours")  # a peer to (re)measure needs ours' outputs beside it
         for impl in todo:
             key = (shape.key, impl)
-            why = C.static_unsupported(impl, shape, env) or (avail.get(impl) if impl != "ours" else None)
+            why = C.static_unsupported(impl, shape, env) or (
+                avail.get(impl) if impl != "ours" else None
+            )
             if why:
-                status = why.split(":")[0]
-                rows[key] = {**shape_row(shape), "impl": impl, "status": status, "reason": why,
-                             "gate": args.gate, "seed": args.seed}
+                status = next(
+                    (w for w in ("not installed", "unsupported", "skipped") if why.startswith(w)),
+                    "unsupported",
+                )
+                rows[key] = {
+                    **shape_row(shape),
+                    "impl": impl,
+                    "status": status,
+                    "reason": why,
+                    "gate": args.gate,
+                    "seed": args.seed,
+                }
                 continue
             bar.set_postfix_str(f"{shape.label} {C.SHORT[impl]}")
-            res = C.run_worker({**common_spec, "impl": impl, "shape": shape.key,
-                                "ref_path": ref_path}, scratch, f"{safe}-{impl}",
-                               args.worker_timeout, {"FLA_CACHE_RESULTS": "0"})
+            res = C.run_worker(
+                {**common_spec, "impl": impl, "shape": shape.key, "ref_path": ref_path},
+                scratch,
+                f"{safe}-{impl}",
+                args.worker_timeout,
+                {"FLA_CACHE_RESULTS": "0"},
+            )
             rows[key] = flatten(shape, impl, res, args)
         if os.path.exists(ref_path) and not args.keep_scratch:
             os.remove(ref_path)
@@ -227,16 +379,35 @@ def cold_first_call(args, shape: C.Shape, impls: list[str], scratch: str) -> dic
     out = {}
     for impl in impls:
         cache = C.new_scratch(f"cold-{impl}-")
-        env = {"TRITON_CACHE_DIR": os.path.join(cache, "triton"),
-               "TILELANG_CACHE_DIR": os.path.join(cache, "tilelang"), "FLA_CACHE_RESULTS": "0"}
-        spec = {"task": "bench", "impl": impl, "shape": shape.key, "device": args.device,
-                "gate": args.gate, "seed": args.seed, "dense_batch": args.dense_batch,
-                "warmup_ms": 1, "rep_ms": 1, "graphs": False, "ours_backend": args.ours_backend,
-                "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
-                "ref_path": os.path.join(cache, "none.pt"), "capability": None}
+        env = {
+            "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+            "TILELANG_CACHE_DIR": os.path.join(cache, "tilelang"),
+            "XDG_CACHE_HOME": os.path.join(cache, "xdg"),
+            "FLA_CACHE_RESULTS": "0",
+        }
+        spec = {
+            "task": "bench",
+            "impl": impl,
+            "shape": shape.key,
+            "device": args.device,
+            "gate": args.gate,
+            "seed": args.seed,
+            "dense_batch": args.dense_batch,
+            "warmup_ms": 1,
+            "rep_ms": 1,
+            "graphs": False,
+            "ours_backend": args.ours_backend,
+            "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
+            "ref_path": os.path.join(cache, "none.pt"),
+            "capability": None,
+        }
         res = C.run_worker(spec, scratch, f"cold-{impl}", args.worker_timeout, env)
-        out[impl] = {"shape": shape.key, "status": res.get("status"),
-                     "first_call_s": res.get("first_call_s"), "reason": res.get("reason")}
+        out[impl] = {
+            "shape": shape.key,
+            "status": res.get("status"),
+            "first_call_s": res.get("first_call_s"),
+            "reason": res.get("reason"),
+        }
         shutil.rmtree(cache, ignore_errors=True)
     return out
 
@@ -244,6 +415,7 @@ def cold_first_call(args, shape: C.Shape, impls: list[str], scratch: str) -> dic
 # --------------------------------------------------------------------------------------
 # Reporting
 # --------------------------------------------------------------------------------------
+
 
 def _f(x, nd=3):
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
@@ -275,8 +447,9 @@ def ms_cell(row: dict | None) -> str:
     return f"{_f(row.get('eager_ms'))} / {_f(row.get('graph_ms'))}"
 
 
-def table_rows(rows: dict, mode: str, peers: list[str], tol: float,
-               floor: bool = True) -> tuple[list, list]:
+def table_rows(
+    rows: dict, mode: str, peers: list[str], tol: float, floor: bool = True
+) -> tuple[list, list]:
     headers = ["config", "tokens", "ours ms eager / graph"]
     floor = floor and mode == "fwd"
     if floor:
@@ -294,7 +467,12 @@ def table_rows(rows: dict, mode: str, peers: list[str], tol: float,
             r.append(f"{fl:.3f} ({frac:.0%})" if frac else f"{fl:.3f}")
         for p in peers:
             pr = rows.get((key, p))
-            se, sg = (_speedup(pr, ours, "eager_ms"), _speedup(pr, ours, "graph_ms")) if pr else (None, None)
+            good = bool(pr) and pr.get("status") == "ok" and ours.get("status") == "ok"
+            se, sg = (
+                (_speedup(pr, ours, "eager_ms"), _speedup(pr, ours, "graph_ms"))
+                if good
+                else (None, None)
+            )
             sp = "" if se is None else f"{se:.2f}x / {(f'{sg:.2f}x' if sg else '–')}"
             r += [ms_cell(pr), sp, err_cell(pr or {}, tol)]
         out.append(r)
@@ -313,8 +491,14 @@ def peers_in(rows: dict) -> list[str]:
 
 
 def first_call_table(rows: dict, cold: dict) -> tuple[list, list]:
-    headers = ["implementation", "version", "import s", "first call s (first config)",
-               "first call s (median)", "cold caches s"]
+    headers = [
+        "implementation",
+        "version",
+        "import s",
+        "first call s (first config)",
+        "first call s (median)",
+        "cold caches s",
+    ]
     out = []
     for impl in ["ours"] + list(C.PEERS):
         rs = [r for (k, i), r in rows.items() if i == impl and r.get("first_call_s") is not None]
@@ -324,17 +508,29 @@ def first_call_table(rows: dict, cold: dict) -> tuple[list, list]:
         fc = sorted(r["first_call_s"] for r in rs)
         med = fc[len(fc) // 2] if fc else None
         c = cold.get(impl, {})
-        out.append([C.LABELS[impl], rs[0].get("version", "") if rs else "",
-                    _f(rs_sorted[0].get("import_s"), 2) if rs else "",
-                    (f"{rs_sorted[0]['first_call_s']:.2f} ({C.Shape.from_key(rs_sorted[0]['shape']).label})"
-                     if rs else ""), _f(med, 2),
-                    _f(c.get("first_call_s"), 1) if c.get("status") == "ok" else (c.get("status") or "not measured")])
+        out.append(
+            [
+                C.LABELS[impl],
+                rs[0].get("version", "") if rs else "",
+                _f(rs_sorted[0].get("import_s"), 2) if rs else "",
+                (
+                    f"{rs_sorted[0]['first_call_s']:.2f} "
+                    f"({C.Shape.from_key(rs_sorted[0]['shape']).label})"
+                    if rs
+                    else ""
+                ),
+                _f(med, 2),
+                _f(c.get("first_call_s"), 1)
+                if c.get("status") == "ok"
+                else (c.get("status") or "not measured"),
+            ]
+        )
     return headers, out
 
 
 def notes(rows: dict) -> list[str]:
     seen: dict[str, int] = {}
-    for (k, impl), r in rows.items():
+    for (_key, impl), r in rows.items():
         if r.get("status") != "ok":
             msg = f"{C.LABELS[impl]}: {r.get('reason') or r.get('status')}"
         elif r.get("graph_status") not in (None, "ok", "off", "n/a (cpu)"):
@@ -367,41 +563,67 @@ def render(meta: dict, rows: dict, out_dir: str, tag: str, tol: float) -> str:
     pngs = plots(rows, peers, out_dir, tag)
 
     on_gpu = meta.get("device_name") not in (None, "cpu")
-    timing = ("- timing: triton.testing.do_bench median (L2 flushed before each call; input "
-              "buffers rotated below 60 MB); eager includes host launch overhead, graph = "
-              "CUDA-graph replay; each (implementation, config) in a fresh process, FLA "
-              "autotuned on that shape (FLA_CACHE_RESULTS=0)") if on_gpu else (
-              "- timing: CPU demo with our torch backend: median wall-clock ms of a few calls "
-              "(no CUDA graphs, no peers, no H200 floor); it shows the pipeline, not performance")
-    text, md = [], [f"# chunk_gated_delta_rule benchmark: {meta.get('device_name')}", "",
-                    "Written by `benchmark/bench_gated_delta_rule.py`; do not edit by hand.", "",
-                    f"- command: `{meta.get('command')}`",
-                    f"- date: {meta.get('date')}; git: {meta.get('git')}",
-                    f"- torch {meta.get('torch')}, triton {meta.get('triton')}, python {meta.get('python')}",
-                    "- versions: " + ", ".join(f"{C.LABELS.get(k, k)} {v}" for k, v in
-                                               (meta.get("versions") or {}).items()),
-                    f"- inputs: K = V = 128, bf16 q/k/v/beta, fp32 g, L2-normalised q/k, "
-                    f"beta = sigmoid(randn), initial state in, final state out; gate "
-                    f"'{meta.get('gate')}': {C.GATES.get(meta.get('gate'), '')}; seed {meta.get('seed')}",
-                    timing,
-                    f"- 'vs X' = X's time / ours (> 1: ours faster), eager / graph; 'err' = max "
-                    f"relative L2 error vs ours over o, final state (and all gradients in bwd); "
-                    f"MISMATCH above {tol:g}",
-                    "- floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), gdn-math.md cost model; "
-                    "(ours %) = floor / our eager time", ""]
+    timing = (
+        (
+            "- timing: triton.testing.do_bench median (L2 flushed before each call; input "
+            "buffers rotated below 60 MB); eager includes host launch overhead, graph = "
+            "CUDA-graph replay; each (implementation, config) in a fresh process, FLA "
+            "autotuned on that shape (FLA_CACHE_RESULTS=0)"
+        )
+        if on_gpu
+        else (
+            "- timing: CPU demo with our torch backend: median wall-clock ms of a few calls "
+            "(no CUDA graphs, no peers, no H200 floor); it shows the pipeline, not performance"
+        )
+    )
+    text, md = (
+        [],
+        [
+            f"# chunk_gated_delta_rule benchmark: {meta.get('device_name')}",
+            "",
+            "Written by `benchmark/bench_gated_delta_rule.py`; do not edit by hand.",
+            "",
+            f"- command: `{meta.get('command')}`",
+            f"- date: {meta.get('date')}; git: {meta.get('git')}",
+            f"- torch {meta.get('torch')}, triton {meta.get('triton')}, "
+            f"python {meta.get('python')}",
+            "- versions: "
+            + ", ".join(
+                f"{C.LABELS.get(k, k)} {v}" for k, v in (meta.get("versions") or {}).items()
+            ),
+            f"- inputs: K = V = 128, bf16 q/k/v/beta, fp32 g, L2-normalised q/k, "
+            f"beta = sigmoid(randn), initial state in, final state out; gate "
+            f"'{meta.get('gate')}': {C.GATES.get(meta.get('gate'), '')}; seed {meta.get('seed')}",
+            timing,
+            f"- 'vs X' = X's time / ours (> 1: ours faster), eager / graph; 'err' = max "
+            f"relative L2 error vs ours over o, final state (and all gradients in bwd); "
+            f"MISMATCH above {tol:g}",
+            "- floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), gdn-math.md cost model; "
+            "(ours %) = floor / our eager time",
+            "",
+        ],
+    )
     for mode, title in (("fwd", "Forward"), ("bwd", "Backward (backward pass alone)")):
         if not ordered_shapes(rows, mode):
             continue
         h, body = table_rows(rows, mode, peers, tol, floor=on_gpu)
         md += [f"## {title}", "", C.format_table(body, h, "github"), ""]
-        md += [f"![{os.path.basename(p)[:-4]}]({os.path.basename(p)})"
-               for p in pngs if f"-{mode}-" in p] + [""]
+        md += [
+            f"![{os.path.basename(p)[:-4]}]({os.path.basename(p)})"
+            for p in pngs
+            if f"-{mode}-" in p
+        ] + [""]
         text += [f"{title}, ms (eager / graph):", C.format_table(body, h, "github"), ""]
     h, body = first_call_table(rows, meta.get("cold_first_call") or {})
-    md += ["## First-call latency (fresh process: import + compilation/autotuning + first run)", "",
-           C.format_table(body, h, "github"), "",
-           "'first config' is the first worker of the run (kernel caches as found on disk); "
-           "'cold caches' empties the Triton and TileLang caches (--cold-first-call).", ""]
+    md += [
+        "## First-call latency (fresh process: import + compilation/autotuning + first run)",
+        "",
+        C.format_table(body, h, "github"),
+        "",
+        "'first config' is the first worker of the run (kernel caches as found on disk); "
+        "'cold caches' empties the Triton and TileLang caches (--cold-first-call).",
+        "",
+    ]
     text += ["First-call latency, s:", C.format_table(body, h, "github"), ""]
     nts = notes(rows)
     if nts:
@@ -419,23 +641,31 @@ def plots(rows: dict, peers: list[str], out_dir: str, tag: str) -> list[str]:
         return []
     mpl.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (mpl.ticker below)
+
     written = []
-    impls = ["ours"] + peers
+    colour = {impl: f"C{i}" for i, impl in enumerate(["ours", *C.PEERS])}
     for mode in ("fwd", "bwd"):
         keys = ordered_shapes(rows, mode)
         if not keys:
             continue
+        ok = lambda k, i: rows.get((k, i), {}).get("status") == "ok"  # noqa: E731
+        impls = [i for i in ["ours"] + peers if any(ok(k, i) for k in keys)]
         labels = [C.Shape.from_key(k).label for k in keys]
         width = max(8.0, 0.32 * len(keys) * max(1, len(impls)) / 2 + 3)
         fig, axes = plt.subplots(2, 1, figsize=(width, 9), sharex=True)
         for ax, col, name in ((axes[0], "eager_ms", "eager"), (axes[1], "graph_ms", "CUDA graph")):
-            bw = 0.8 / len(impls)
+            bw = 0.8 / max(1, len(impls))
             for j, impl in enumerate(impls):
-                ys = [rows.get((k, impl), {}).get(col) if rows.get((k, impl), {}).get("status") == "ok"
-                      else None for k in keys]
+                ys = [rows[(k, impl)].get(col) if ok(k, impl) else None for k in keys]
                 xs = [i + (j - (len(impls) - 1) / 2) * bw for i in range(len(keys))]
-                ax.bar([x for x, y in zip(xs, ys) if y], [y for y in ys if y], bw,
-                       label=C.LABELS[impl])
+                ax.bar(
+                    [x for x, y in zip(xs, ys) if y],
+                    [y for y in ys if y],
+                    bw,
+                    color=colour[impl],
+                    label=C.LABELS[impl],
+                )
             ax.set_yscale("log")
             ax.set_ylabel(f"{name} ms (log)")
             ax.grid(axis="y", which="both", alpha=0.3)
@@ -448,22 +678,41 @@ def plots(rows: dict, peers: list[str], out_dir: str, tag: str) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
-        if not peers:
+        vs = [p for p in impls if p != "ours"]
+        if not vs:
             continue
         fig, ax = plt.subplots(figsize=(width, 5))
-        bw = 0.8 / (2 * len(peers))
-        for j, p in enumerate(peers):
+        bw = 0.8 / (2 * len(vs))
+        for j, p in enumerate(vs):
             for m, (col, hatch) in enumerate((("eager_ms", None), ("graph_ms", "//"))):
-                ys = [_speedup(rows.get((k, p), {}), rows.get((k, "ours"), {}), col)
-                      if rows.get((k, p), {}).get("status") == "ok" else None for k in keys]
-                off = (2 * j + m - (2 * len(peers) - 1) / 2) * bw
+                ys = [
+                    _speedup(rows.get((k, p), {}), rows.get((k, "ours"), {}), col)
+                    if rows.get((k, p), {}).get("status") == "ok"
+                    else None
+                    for k in keys
+                ]
+                off = (2 * j + m - (2 * len(vs) - 1) / 2) * bw
                 xs = [i + off for i in range(len(keys))]
-                ax.bar([x for x, y in zip(xs, ys) if y], [y for y in ys if y], bw, hatch=hatch,
-                       color=f"C{j + 1}", alpha=1.0 if m == 0 else 0.55,
-                       label=f"vs {C.LABELS[p]} ({'eager' if m == 0 else 'graph'})")
+                if not any(ys):
+                    continue
+                # bars grow from 1x: up = ours faster, down = ours slower
+                ax.bar(
+                    [x for x, y in zip(xs, ys) if y],
+                    [y - 1 for y in ys if y],
+                    bw,
+                    bottom=1.0,
+                    hatch=hatch,
+                    color=colour[p],
+                    alpha=1.0 if m == 0 else 0.55,
+                    label=f"vs {C.LABELS[p]} ({'eager' if m == 0 else 'graph'})",
+                )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_yscale("log")
-        ax.set_ylabel("speedup = peer ms / ours ms (log)")
+        fmt = mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}x")
+        ax.yaxis.set_major_formatter(fmt)
+        ax.yaxis.set_minor_formatter(fmt)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.set_ylabel("speedup = peer ms / ours ms (log; > 1: ours faster)")
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels(labels, rotation=90, fontsize=7)
         ax.grid(axis="y", which="both", alpha=0.3)
@@ -485,19 +734,32 @@ def load_rows(path: str) -> tuple[dict, dict]:
 
 def git_rev() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=C.REPO, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or "uncommitted"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=C.REPO,
+                text=True,
+                capture_output=True,
+                timeout=10,
+            ).stdout.strip()
+            or "uncommitted"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 # --------------------------------------------------------------------------------------
 
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         meta, rows = load_rows(args.from_json)
-        out = args.out if args.out != DEFAULT_OUT else os.path.dirname(os.path.abspath(args.from_json))
+        out = (
+            args.out
+            if args.out != DEFAULT_OUT
+            else os.path.dirname(os.path.abspath(args.from_json))
+        )
         tag = args.tag or os.path.splitext(os.path.basename(args.from_json))[0]
         print(render(meta, rows, out, tag, args.tol))
         return 0
@@ -508,7 +770,9 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: unknown peer(s) {bad}; choose from {list(C.PEERS)}", file=sys.stderr)
         return 1
-    keys = C.CPU_TINY if args.device == "cpu" and not args.shapes else C.QUICK if args.quick else None
+    keys = (
+        C.CPU_TINY if args.device == "cpu" and not args.shapes else C.QUICK if args.quick else None
+    )
     base = [C.Shape.from_key(k) for k in keys] if keys else C.forward_grid() + C.backward_grid()
     try:
         shapes = C.select_shapes(args.shapes, modes, base)
@@ -524,23 +788,32 @@ def main(argv=None) -> int:
         return 1
     if args.device == "cpu":
         args.ours_backend = args.ours_backend or "torch"
-        print("note: --device cpu: a tiny set with our torch backend; FLA (Triton), FlashInfer "
-              "and FlashQLA 0.1.3 need a CUDA GPU and are skipped.", file=sys.stderr)
+        print(
+            "note: --device cpu: a tiny set with our torch backend; FLA (Triton), FlashInfer "
+            "and FlashQLA 0.1.3 need a CUDA GPU and are skipped.",
+            file=sys.stderr,
+        )
 
     scratch = C.new_scratch("bench-gdr-")
     try:
         info = C.probe(peers, scratch)
         if info.get("status") == "error" and "cuda" not in info:
-            print(f"error: cannot start a worker ({info.get('reason')}); this benchmark needs "
-                  f"PyTorch, a CUDA GPU and {C.INSTALL_HINT} (or --device cpu)", file=sys.stderr)
+            print(
+                f"error: cannot start a worker ({info.get('reason')}); this benchmark needs "
+                f"PyTorch, a CUDA GPU and {C.INSTALL_HINT} (or --device cpu)",
+                file=sys.stderr,
+            )
             return 2
         if args.device == "cuda" and not info.get("cuda"):
             print(C.NO_GPU_LINE, file=sys.stderr)
             return 2
         ours_v = str(info.get("versions", {}).get("ours", "error"))
         if ours_v.startswith("error"):
-            print(f"error: our flash_qla is not importable ({ours_v[7:]}); "
-                  f"{C.INSTALL_HINT} (or pip install -e packages/flash-qla-core).", file=sys.stderr)
+            print(
+                f"error: our flash_qla is not importable ({ours_v[7:]}); "
+                f"{C.INSTALL_HINT} (or pip install -e packages/flash-qla-core).",
+                file=sys.stderr,
+            )
             return 2
         tag = args.tag or (C.gpu_tag(info["device_name"]) if args.device == "cuda" else "cpu")
         if not args.tag and args.gate != "model":
@@ -558,16 +831,31 @@ def main(argv=None) -> int:
             r.setdefault("order", i)
         cold = {}
         if args.cold_first_call:
-            done = [i for i in ["ours"] + peers if rows.get((shapes[0].key, i), {}).get("status") == "ok"]
+            done = [
+                i
+                for i in ["ours"] + peers
+                if rows.get((shapes[0].key, i), {}).get("status") == "ok"
+            ]
             cold = cold_first_call(args, shapes[0], done, scratch)
-        meta = {"device_name": info.get("device_name"), "capability": info.get("capability"),
-                "torch": info.get("torch"), "triton": info.get("triton"),
-                "python": info.get("python"), "versions": versions, "gate": args.gate,
-                "seed": args.seed, "dense_batch": args.dense_batch,
-                "date": datetime.datetime.now().isoformat(timespec="seconds"), "git": git_rev(),
-                "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], C.REPO)]
-                                    + (sys.argv[1:] if argv is None else list(argv))),
-                "cold_first_call": cold}
+        meta = {
+            "device_name": info.get("device_name"),
+            "capability": info.get("capability"),
+            "torch": info.get("torch"),
+            "triton": info.get("triton"),
+            "python": info.get("python"),
+            "versions": versions,
+            "gate": args.gate,
+            "seed": args.seed,
+            "dense_batch": args.dense_batch,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "git": git_rev(),
+            "command": " ".join(
+                shlex.quote(a)
+                for a in [os.path.relpath(sys.argv[0], C.REPO)]
+                + (sys.argv[1:] if argv is None else list(argv))
+            ),
+            "cold_first_call": cold,
+        }
         print(render(meta, rows, args.out, tag, args.tol))
         return 0
     finally:

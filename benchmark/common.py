@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 HEAD_DIM = 128  # K = V = 128 everywhere (the head size of every model in the grid)
 CHUNK = 64
@@ -45,12 +45,18 @@ BWD_FLOP_PER_TOKEN_HEAD = 508e3
 TOL = 2e-2  # relative error above which a peer's timing is flagged as a MISMATCH
 
 INSTALL_HINT = 'pip install "flash-qla[sm90]"'
-NO_GPU_LINE = ("error: this benchmark needs a CUDA GPU (none is visible) and the kernels "
-               f"({INSTALL_HINT}); run `--device cpu` for the small CPU demo.")
+NO_GPU_LINE = (
+    "error: this benchmark needs a CUDA GPU (none is visible) and the kernels "
+    f"({INSTALL_HINT}); run `--device cpu` for the small CPU demo."
+)
 
 PEERS = ("fla", "flashinfer", "flashqla")
-LABELS = {"ours": "FlashQLA (ours)", "fla": "FLA 0.5.0", "flashinfer": "FlashInfer",
-          "flashqla": "FlashQLA 0.1.3"}
+LABELS = {
+    "ours": "FlashQLA (ours)",
+    "fla": "FLA 0.5.0",
+    "flashinfer": "FlashInfer",
+    "flashqla": "FlashQLA 0.1.3",
+}
 SHORT = {"ours": "ours", "fla": "FLA", "flashinfer": "FlashInfer", "flashqla": "FlashQLA-0.1.3"}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,15 +67,39 @@ REPO = os.path.dirname(HERE)
 # Shapes and grids
 # --------------------------------------------------------------------------------------
 
-FWD_HEADS = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32), (16, 32), (16, 48),
-             (16, 64), (16, 16), (32, 32)]
-FWD_LAYOUTS = ["1x32768", "1x8192", "1x2048", "2x16384", "4x8192", "8x4096", "8x1024",
-               "varlen-a", "varlen-b"]
+FWD_HEADS = [
+    (2, 4),
+    (2, 8),
+    (4, 8),
+    (4, 16),
+    (8, 16),
+    (8, 32),
+    (16, 32),
+    (16, 48),
+    (16, 64),
+    (16, 16),
+    (32, 32),
+]
+FWD_LAYOUTS = [
+    "1x32768",
+    "1x8192",
+    "1x2048",
+    "2x16384",
+    "4x8192",
+    "8x4096",
+    "8x1024",
+    "varlen-a",
+    "varlen-b",
+]
 BWD_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4), (16, 16), (8, 8), (4, 4)]
-BWD_LAYOUTS = ["1x8192", "2x4096", "4x2048", "8x1024", "1x32768", "2x16384", "4x8192",
-               "8x4096"]
-QUICK = ["fwd:2/8@1x2048", "fwd:16/32@1x8192", "fwd:4/16@1x32768", "fwd:16/64@varlen-a",
-         "bwd:16/16@1x8192"]
+BWD_LAYOUTS = ["1x8192", "2x4096", "4x2048", "8x1024", "1x32768", "2x16384", "4x8192", "8x4096"]
+QUICK = [
+    "fwd:2/8@1x2048",
+    "fwd:16/32@1x8192",
+    "fwd:4/16@1x32768",
+    "fwd:16/64@varlen-a",
+    "bwd:16/16@1x8192",
+]
 CPU_TINY = ["fwd:2/4@1x128", "fwd:2/4@seqs=50+78", "bwd:2/2@1x64"]
 
 # Two seeded random mixes of 32k packed tokens: (seed, number of sequences).
@@ -109,8 +139,10 @@ def parse_layout(layout: str) -> list[int]:
         if min(lens) < 1:
             raise ValueError(f"bad layout {layout!r}: empty sequence")
         return lens
-    raise ValueError(f"bad layout {layout!r}: expected BxT (e.g. 8x4096), "
-                     f"{' / '.join(VARLEN_MIXES)} or seqs=L1+L2+...")
+    raise ValueError(
+        f"bad layout {layout!r}: expected BxT (e.g. 8x4096), "
+        f"{' / '.join(VARLEN_MIXES)} or seqs=L1+L2+..."
+    )
 
 
 @dataclass(frozen=True)
@@ -147,7 +179,7 @@ class Shape:
         tail = f" ({self.n_seqs} seqs)" if self.layout in VARLEN_MIXES else ""
         return f"{self.hk}/{self.hv} {self.layout}{tail}"
 
-    def validate(self) -> "Shape":
+    def validate(self) -> Shape:
         if self.mode not in ("fwd", "bwd"):
             raise ValueError(f"bad mode {self.mode!r}")
         if self.hk < 1 or self.hv < 1 or self.hv % self.hk:
@@ -156,7 +188,7 @@ class Shape:
         return self
 
     @classmethod
-    def from_key(cls, key: str) -> "Shape":
+    def from_key(cls, key: str) -> Shape:
         m = re.fullmatch(r"(fwd|bwd):(\d+)/(\d+)@(\S+)", key)
         if not m:
             raise ValueError(f"bad shape {key!r}: expected MODE:HK/HV@LAYOUT")
@@ -189,9 +221,13 @@ def select_shapes(spec: str | None, modes: list[str], base: list[Shape]) -> list
         if "@" not in item:
             raise ValueError(f"bad --shapes item {item!r}: expected HK/HV@LAYOUT")
         heads, layout = item.split("@", 1)
-        hits = [s for s in base if s.mode in item_modes
-                and fnmatch.fnmatchcase(f"{s.hk}/{s.hv}", heads)
-                and fnmatch.fnmatchcase(s.layout, layout)]
+        hits = [
+            s
+            for s in base
+            if s.mode in item_modes
+            and fnmatch.fnmatchcase(f"{s.hk}/{s.hv}", heads)
+            and fnmatch.fnmatchcase(s.layout, layout)
+        ]
         if not hits and not any(c in item for c in "*?["):
             hk, _, hv = heads.partition("/")
             if not (hk.isdigit() and hv.isdigit()):
@@ -215,13 +251,18 @@ def shape_floor(shape: Shape) -> dict:
     nbytes = t * per_tok + 2 * n * hv * d * d * 4
     flops = FWD_FLOP_PER_TOKEN_HEAD * t * hv
     floor_s = max(nbytes / H200_BW, flops / H200_FLOPS)
-    return {"bytes": nbytes, "flops": flops, "floor_ms": floor_s * 1e3,
-            "bound": "memory" if nbytes / H200_BW >= flops / H200_FLOPS else "compute"}
+    return {
+        "bytes": nbytes,
+        "flops": flops,
+        "floor_ms": floor_s * 1e3,
+        "bound": "memory" if nbytes / H200_BW >= flops / H200_FLOPS else "compute",
+    }
 
 
 def read_settings_csv(path: str) -> list[tuple[int, int, str]]:
     """Rows ``hk,hv,layout`` of a profile settings file (``#`` comments allowed)."""
     import csv
+
     rows = []
     with open(path, newline="") as f:
         for row in csv.DictReader(line for line in f if not line.lstrip().startswith("#")):
@@ -235,10 +276,10 @@ def read_settings_csv(path: str) -> list[tuple[int, int, str]]:
 
 GATES = {
     "model": "g = -exp(A_log) * softplus(a + dt_bias), a ~ N(0,1), per-head A_log = log U[1,16], "
-             "dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Qwen3-Next/Mamba2 init)",
+    "dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Qwen3-Next/Mamba2 init)",
     "zero": "g = 0 (no decay at all: the longest memory, no gate-driven shortcut can apply)",
     "strong": "g = -exp(A_log) * softplus(a + 2): g ~ -2..-35 per token, the state is "
-              "forgotten within a token or two (stresses exp underflow)",
+    "forgotten within a token or two (stresses exp underflow)",
 }
 
 
@@ -279,8 +320,16 @@ def make_inputs(shape: Shape, gate: str, seed: int, device: str, with_grads: boo
         raise ValueError(f"unknown gate recipe {gate!r}; choose from {sorted(GATES)}")
     h0 = randn(n, hv, d, d) * 0.1
     lens = torch.tensor([0] + shape.seqlens, dtype=torch.int64).cumsum(0)
-    inp = {"q": q, "k": k, "v": v, "g": g.float().contiguous(), "beta": beta, "h0": h0,
-           "cu_seqlens_cpu": lens, "seqlens": shape.seqlens}
+    inp = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "g": g.float().contiguous(),
+        "beta": beta,
+        "h0": h0,
+        "cu_seqlens_cpu": lens,
+        "seqlens": shape.seqlens,
+    }
     if with_grads:
         inp["do"] = randn(1, t, hv, d).to(dtype)
         inp["dht"] = randn(n, hv, d, d) * 0.1
@@ -298,13 +347,17 @@ def fingerprint(inp: dict) -> list[float]:
 
 
 def input_bytes(inp: dict) -> int:
-    return sum(x.numel() * x.element_size() for n, x in inp.items()
-               if n in ("q", "k", "v", "g", "beta", "h0", "do", "dht"))
+    return sum(
+        x.numel() * x.element_size()
+        for n, x in inp.items()
+        if n in ("q", "k", "v", "g", "beta", "h0", "do", "dht")
+    )
 
 
 # --------------------------------------------------------------------------------------
 # Implementations (worker side)
 # --------------------------------------------------------------------------------------
+
 
 class Impl:
     """One implementation as the worker drives it.
@@ -344,8 +397,9 @@ def _fla_style_args(inp: dict, ctx: dict, requires_grad: bool, cu_dtype) -> dict
     dense = len(lens) == 1 or (ctx.get("dense_batch") and len(set(lens)) == 1)
     if dense:
         b = len(lens)
-        args["views"] = lambda a: {n: a[n].view(b, -1, *a[n].shape[2:])
-                                   for n in ("q", "k", "v", "g", "beta")}
+        args["views"] = lambda a: {
+            n: a[n].view(b, -1, *a[n].shape[2:]) for n in ("q", "k", "v", "g", "beta")
+        }
         args["cu"], args["cu_cpu"] = None, None
     else:
         args["views"] = lambda a: {n: a[n] for n in ("q", "k", "v", "g", "beta")}
@@ -388,13 +442,20 @@ class Ours(Impl):
 
     def prepare(self, inp, ctx, requires_grad=False):
         import torch
+
         return _fla_style_args(inp, ctx, requires_grad, torch.int32)
 
     def call(self, a):
         kw = {"backend": self.backend} if self.backend else {}
-        return self.fn(**a["views"](a), initial_state=a["h0"], output_final_state=True,
-                       use_qk_l2norm_in_kernel=False, cu_seqlens=a["cu"],
-                       cu_seqlens_cpu=a["cu_cpu"], **kw)
+        return self.fn(
+            **a["views"](a),
+            initial_state=a["h0"],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=False,
+            cu_seqlens=a["cu"],
+            cu_seqlens_cpu=a["cu_cpu"],
+            **kw,
+        )
 
 
 class FLA(Impl):
@@ -403,17 +464,24 @@ class FLA(Impl):
     def load(self, ctx):
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
         self.fn = chunk_gated_delta_rule
         return getattr(fla, "__version__", "?")
 
     def prepare(self, inp, ctx, requires_grad=False):
         import torch
+
         return _fla_style_args(inp, ctx, requires_grad, torch.int64)
 
     def call(self, a):
-        return self.fn(**a["views"](a), initial_state=a["h0"], output_final_state=True,
-                       use_qk_l2norm_in_kernel=False, cu_seqlens=a["cu"],
-                       cu_seqlens_cpu=a["cu_cpu"])
+        return self.fn(
+            **a["views"](a),
+            initial_state=a["h0"],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=False,
+            cu_seqlens=a["cu"],
+            cu_seqlens_cpu=a["cu_cpu"],
+        )
 
 
 class FlashInfer(Impl):
@@ -427,6 +495,7 @@ class FlashInfer(Impl):
     def load(self, ctx):
         import flashinfer
         from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
         self.fn = chunk_gated_delta_rule
         return getattr(flashinfer, "__version__", "?")
 
@@ -443,8 +512,17 @@ class FlashInfer(Impl):
         }
 
     def call(self, a):
-        return self.fn(a["q"], a["k"], a["v"], g=a["alpha"], beta=a["beta"], scale=None,
-                       initial_state=a["h0_vk"], output_final_state=True, cu_seqlens=a["cu"])
+        return self.fn(
+            a["q"],
+            a["k"],
+            a["v"],
+            g=a["alpha"],
+            beta=a["beta"],
+            scale=None,
+            initial_state=a["h0_vk"],
+            output_final_state=True,
+            cu_seqlens=a["cu"],
+        )
 
     def canon(self, out, a):
         o, ht_vk = out
@@ -463,6 +541,7 @@ class FlashQLA013(Impl):
         path = os.path.realpath(path)
         sys.path.insert(0, path)
         import flash_qla
+
         where = os.path.realpath(getattr(flash_qla, "__file__", "") or "")
         if not where.startswith(path + os.sep):
             raise RuntimeError(f"imported the wrong flash_qla ({where}), not the one under {path}")
@@ -471,11 +550,17 @@ class FlashQLA013(Impl):
 
     def prepare(self, inp, ctx, requires_grad=False):
         import torch
+
         return _fla_style_args(inp, ctx, requires_grad, torch.int32)
 
     def call(self, a):
-        return self.fn(**a["views"](a), initial_state=a["h0"], output_final_state=True,
-                       use_qk_l2norm_in_kernel=False, cu_seqlens=a["cu"])
+        return self.fn(
+            **a["views"](a),
+            initial_state=a["h0"],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=False,
+            cu_seqlens=a["cu"],
+        )
 
 
 IMPLS = {"ours": Ours, "fla": FLA, "flashinfer": FlashInfer, "flashqla": FlashQLA013}
@@ -487,16 +572,23 @@ def static_unsupported(impl: str, shape: Shape, env: dict) -> str | None:
         return "skipped: needs a CUDA GPU (--device cpu runs ours only)"
     if impl == "flashinfer" and shape.mode == "bwd":
         return "unsupported: forward only"
-    if (impl == "fla" and shape.mode == "bwd" and shape.hv != shape.hk
-            and tuple(env.get("capability") or (0, 0))[0] == 9):
-        return ("unsupported: FLA 0.5.0 has no GVA backward on Hopper (its Triton path "
-                "refuses Triton>=3.4, its TileLang path rejects Hv != Hk)")
+    if (
+        impl == "fla"
+        and shape.mode == "bwd"
+        and shape.hv != shape.hk
+        and tuple(env.get("capability") or (0, 0))[0] == 9
+    ):
+        return (
+            "unsupported: FLA 0.5.0 has no GVA backward on Hopper (its Triton path "
+            "refuses Triton>=3.4, its TileLang path rejects Hv != Hk)"
+        )
     return None
 
 
 # --------------------------------------------------------------------------------------
 # Timing (worker side)
 # --------------------------------------------------------------------------------------
+
 
 def n_rotations(nbytes: int) -> int:
     """Buffer sets to rotate through: enough that 2x L2 lies between two uses of one."""
@@ -522,13 +614,14 @@ def time_fns(fns: list, device: str, warmup_ms: float, rep_ms: float) -> float:
             samples.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(samples)
     import triton.testing
-    return float(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms,
-                                         return_mode="median"))
+
+    return float(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def capture_graphs(fns: list, stream=None) -> list:
     """One CUDA graph per callable (warm-up on a side stream, then capture)."""
     import torch
+
     s = stream or torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -549,6 +642,7 @@ def capture_graphs(fns: list, stream=None) -> list:
 
 def rel_err(x, ref) -> float:
     import torch
+
     x, ref = x.detach().float(), ref.detach().to(x.device).float()
     if x.shape != ref.shape:
         raise ValueError(f"shape {tuple(x.shape)} vs reference {tuple(ref.shape)}")
@@ -561,6 +655,7 @@ def rel_err(x, ref) -> float:
 def sync(device: str):
     if device != "cpu":
         import torch
+
         torch.cuda.synchronize()
 
 
@@ -581,14 +676,21 @@ def _write(path: str, res: dict):
 def task_probe(spec: dict) -> dict:
     """Environment facts: device, versions, which implementations import."""
     import torch
-    res = {"torch": torch.__version__, "python": sys.version.split()[0],
-           "cuda": torch.cuda.is_available(), "device_name": "cpu", "capability": None}
+
+    res = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cuda": torch.cuda.is_available(),
+        "device_name": "cpu",
+        "capability": None,
+    }
     if res["cuda"]:
         res["device_name"] = torch.cuda.get_device_name()
         res["capability"] = list(torch.cuda.get_device_capability())
         res["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
     try:
         import triton
+
         res["triton"] = triton.__version__
     except Exception as e:  # noqa: BLE001 - reported, not hidden
         res["triton"] = f"unavailable ({type(e).__name__})"
@@ -619,16 +721,25 @@ def _flashinfer_gdn_built() -> bool:
     """Whether FlashInfer's SM90 GDN prefill module exists already (AOT or JIT cache);
     without it the first call JIT-compiles for more than 7.5 minutes on the H200 host."""
     import glob
+
     import flashinfer
-    roots = [os.path.dirname(flashinfer.__file__),
-             os.environ.get("FLASHINFER_WORKSPACE_BASE", ""), os.path.expanduser("~/.cache/flashinfer")]
-    return any(glob.glob(os.path.join(r, "**", "gdn_prefill*.so"), recursive=True)
-               for r in roots if r and os.path.isdir(r))
+
+    roots = [
+        os.path.dirname(flashinfer.__file__),
+        os.environ.get("FLASHINFER_WORKSPACE_BASE", ""),
+        os.path.expanduser("~/.cache/flashinfer"),
+    ]
+    return any(
+        glob.glob(os.path.join(r, "**", "gdn_prefill*.so"), recursive=True)
+        for r in roots
+        if r and os.path.isdir(r)
+    )
 
 
 def task_bench(spec: dict) -> dict:
     """Time one implementation on one shape; check it against ours' saved outputs."""
     import torch
+
     shape = Shape.from_key(spec["shape"])
     dev, mode = spec["device"], shape.mode
     res = {"impl": spec["impl"], "shape": shape.key, "status": "running"}
@@ -666,13 +777,17 @@ def task_bench(spec: dict) -> dict:
         outs.update(zip(GRAD_NAMES, grads))
     ref_path = spec["ref_path"]
     if spec["impl"] == "ours":
-        torch.save({"fingerprint": res["fingerprint"],
-                    **{n: x.detach().cpu() for n, x in outs.items()}}, ref_path)
+        torch.save(
+            {"fingerprint": res["fingerprint"], **{n: x.detach().cpu() for n, x in outs.items()}},
+            ref_path,
+        )
         res["err"] = {}
     elif os.path.exists(ref_path):
         ref = torch.load(ref_path)
-        fp_ok = all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-                    for a, b in zip(ref["fingerprint"], res["fingerprint"]))
+        fp_ok = all(
+            math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+            for a, b in zip(ref["fingerprint"], res["fingerprint"])
+        )
         res["inputs_match"] = fp_ok
         res["err"] = {n: rel_err(x, ref[n]) for n, x in outs.items()}
         del ref
@@ -692,15 +807,19 @@ def task_bench(spec: dict) -> dict:
         with torch.no_grad():
             res["eager_ms"] = time_fns([lambda a=a: impl.call(a) for a in sets], dev, wu, rep)
     else:
+
         def fwd_bwd(a):
             o_, ht_ = impl.canon(impl.call(a), a)
             return torch.autograd.grad((o_, ht_), impl.leaves(a), (inp["do"], inp["dht"]))
 
         res["fwdbwd_eager_ms"] = time_fns([lambda a=a: fwd_bwd(a) for a in sets], dev, wu, rep)
         kept = [impl.canon(impl.call(a), a) for a in sets]
-        bwd_fns = [lambda a=a, oo=oo: torch.autograd.grad(
-            oo, impl.leaves(a), (inp["do"], inp["dht"]), retain_graph=True)
-            for a, oo in zip(sets, kept)]
+        bwd_fns = [
+            lambda a=a, oo=oo: torch.autograd.grad(
+                oo, impl.leaves(a), (inp["do"], inp["dht"]), retain_graph=True
+            )
+            for a, oo in zip(sets, kept)
+        ]
         res["eager_ms"] = time_fns(bwd_fns, dev, wu, rep)
         del kept, bwd_fns
     res["status"] = "ok"
@@ -720,9 +839,15 @@ def task_bench(spec: dict) -> dict:
             # (which run on their forward's stream) land in the graph
             with torch.cuda.stream(s):
                 kept = [impl.canon(impl.call(a), a) for a in sets]
-            graphs = capture_graphs([lambda a=a, oo=oo: torch.autograd.grad(
-                oo, impl.leaves(a), (inp["do"], inp["dht"]), retain_graph=True)
-                for a, oo in zip(sets, kept)], s)
+            graphs = capture_graphs(
+                [
+                    lambda a=a, oo=oo: torch.autograd.grad(
+                        oo, impl.leaves(a), (inp["do"], inp["dht"]), retain_graph=True
+                    )
+                    for a, oo in zip(sets, kept)
+                ],
+                s,
+            )
         res["graph_ms"] = time_fns([g.replay for g in graphs], dev, wu, rep)
         res["graph_status"] = "ok"
     except Exception as e:  # noqa: BLE001 - the reason is reported in the table notes
@@ -774,15 +899,17 @@ def task_profile(spec: dict) -> dict:
     with torch.no_grad():
         res["fwd"] = kernels(lambda: impl.call(args))
     if spec.get("bwd"):
-        why = static_unsupported(spec["impl"], Shape("bwd", shape.hk, shape.hv, shape.layout),
-                                 spec)
+        why = static_unsupported(spec["impl"], Shape("bwd", shape.hk, shape.hv, shape.layout), spec)
         if why or not impl.differentiable:
             res["bwd_status"] = why or "unsupported: forward only"
         else:
             ga = impl.prepare(inp, spec, requires_grad=True)
             outs = impl.canon(impl.call(ga), ga)
-            res["bwd"] = kernels(lambda: torch.autograd.grad(
-                outs, impl.leaves(ga), (inp["do"], inp["dht"]), retain_graph=True))
+            res["bwd"] = kernels(
+                lambda: torch.autograd.grad(
+                    outs, impl.leaves(ga), (inp["do"], inp["dht"]), retain_graph=True
+                )
+            )
             res["bwd_status"] = "ok"
     res["status"] = "ok"
     return res
@@ -811,8 +938,10 @@ def worker_main(spec_path: str) -> int:
 # Parent side: spawning workers
 # --------------------------------------------------------------------------------------
 
-def run_worker(spec: dict, scratch: str, name: str, timeout: float,
-               env_extra: dict | None = None) -> dict:
+
+def run_worker(
+    spec: dict, scratch: str, name: str, timeout: float, env_extra: dict | None = None
+) -> dict:
     """Run one worker in a fresh process group; return its result dict (never raises)."""
     os.makedirs(scratch, exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
@@ -826,9 +955,14 @@ def run_worker(spec: dict, scratch: str, name: str, timeout: float,
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", spec_path],
-                                stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", spec_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=REPO,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -841,8 +975,12 @@ def run_worker(spec: dict, scratch: str, name: str, timeout: float,
             res = json.load(f)
     res["wall_s"] = time.perf_counter() - t0
     if rc is None:
-        res.update(status="timeout" if res.get("status") in (None, "partial", "running")
-                   else res["status"], reason=f"worker killed after {timeout:.0f} s")
+        res.update(
+            status="timeout"
+            if res.get("status") in (None, "partial", "running")
+            else res["status"],
+            reason=f"worker killed after {timeout:.0f} s",
+        )
     elif not res.get("status") or res["status"] in ("partial", "running"):
         res.update(status="error", reason=f"worker exited with code {rc} ({log_path})")
     if rc not in (0, None) and res["status"] == "ok" and "graph_status" not in res:
@@ -881,8 +1019,11 @@ def need(module: str, pip_name: str | None = None, purpose: str = ""):
     try:
         return __import__(module)
     except ImportError:
-        print(f"note: {module} is not installed{' (' + purpose + ')' if purpose else ''}; "
-              f"`pip install {pip_name or module}` to get it.", file=sys.stderr)
+        print(
+            f"note: {module} is not installed{' (' + purpose + ')' if purpose else ''}; "
+            f"`pip install {pip_name or module}` to get it.",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -890,8 +1031,10 @@ def progress(items, desc: str):
     """tqdm over ``items`` when installed, else a plain counter on stderr."""
     try:
         from tqdm import tqdm
+
         return tqdm(items, desc=desc, unit="cfg", dynamic_ncols=True)
     except ImportError:
+
         class _Plain:
             def __init__(self, xs):
                 self.xs = list(xs)
@@ -914,13 +1057,16 @@ def format_table(rows: list[list], headers: list[str], fmt: str = "github") -> s
     """tabulate when installed, else a minimal pipe table with the same content."""
     try:
         from tabulate import tabulate
+
         return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
     except ImportError:
         cells = [[str(c) for c in r] for r in [headers] + rows]
         w = [max(len(r[i]) for r in cells) for i in range(len(headers))]
         line = lambda r: "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
-        return "\n".join([line(cells[0]), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
-                         + [line(r) for r in cells[1:]])
+        return "\n".join(
+            [line(cells[0]), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+            + [line(r) for r in cells[1:]]
+        )
 
 
 def new_scratch(prefix: str) -> str:
@@ -930,6 +1076,9 @@ def new_scratch(prefix: str) -> str:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         sys.exit(worker_main(sys.argv[2]))
-    print("this module is the shared code of benchmark/bench_gated_delta_rule.py and "
-          "profile/profile_gdr.py; run one of those.", file=sys.stderr)
+    print(
+        "this module is the shared code of benchmark/bench_gated_delta_rule.py and "
+        "profile/profile_gdr.py; run one of those.",
+        file=sys.stderr,
+    )
     sys.exit(2)

@@ -37,36 +37,72 @@ DEFAULT_OUT = os.path.join(HERE, "results")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="profile_gdr.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit codes: 0 done, 1 bad arguments, 2 cannot run here "
-                                "(no CUDA GPU, or our flash_qla not importable).")
-    p.add_argument("--set", choices=SETS, default="develop",
-                   help="configuration set: develop (B=1, T=32768, Hk=Hv in 4, 8, 16), product "
-                   "(the Qwen head configurations at 8k and 32k tokens), varlen (packed batches); "
-                   "read from profile/settings/<set>.csv (default: develop)")
+    p = argparse.ArgumentParser(
+        prog="profile_gdr.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 done, 1 bad arguments, 2 cannot run here "
+        "(no CUDA GPU, or our flash_qla not importable).",
+    )
+    p.add_argument(
+        "--set",
+        choices=SETS,
+        default="develop",
+        help="configuration set: develop (B=1, T=32768, Hk=Hv in 4, 8, 16), product "
+        "(the Qwen head configurations at 8k and 32k tokens), varlen (packed batches); "
+        "read from profile/settings/<set>.csv (default: develop)",
+    )
     p.add_argument("--settings", metavar="CSV", help="another settings file (columns hk,hv,layout)")
-    p.add_argument("--shapes", metavar="SPEC",
-                   help="filter the set: comma-separated HK/HV@LAYOUT items, wildcards allowed")
+    p.add_argument(
+        "--shapes",
+        metavar="SPEC",
+        help="filter the set: comma-separated HK/HV@LAYOUT items, wildcards allowed",
+    )
     p.add_argument("--skip-bwd", action="store_true", help="profile the forward only")
-    p.add_argument("--peers", default="fla",
-                   help="'fla' (default) or 'none': the implementation profiled beside ours")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cuda (default; exits with code 2 without a GPU) or cpu: one tiny "
-                   "configuration (" + ", ".join(CPU_TINY) + ") with our torch backend, aten ops "
-                   "by CPU time instead of kernels, FLA skipped")
-    p.add_argument("--iters", type=int, default=None,
-                   help="profiled calls per direction (default 10; 2 on cpu)")
-    p.add_argument("--gate", choices=sorted(C.GATES), default="model",
-                   help="gate recipe (see benchmark --help; default model)")
+    p.add_argument(
+        "--peers",
+        default="fla",
+        help="'fla' (default) or 'none': the implementation profiled beside ours",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda (default; exits with code 2 without a GPU) or cpu: one tiny "
+        "configuration (" + ", ".join(CPU_TINY) + ") with our torch backend, aten ops "
+        "by CPU time instead of kernels, FLA skipped",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="profiled calls per direction (default 10; 2 on cpu)",
+    )
+    p.add_argument(
+        "--gate",
+        choices=sorted(C.GATES),
+        default="model",
+        help="gate recipe (see benchmark --help; default model)",
+    )
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
-    p.add_argument("--top", type=int, default=12,
-                   help="kernels listed per (config, implementation, direction) in the markdown "
-                   "(default 12; the CSV has all)")
-    p.add_argument("--worker-timeout", type=float, default=900.0,
-                   help="seconds before a worker is killed (default 900)")
-    p.add_argument("--ours-backend", default=None,
-                   help="backend= for our function (default automatic; 'torch' on cpu)")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=12,
+        help="kernels listed per (config, implementation, direction) in the markdown "
+        "(default 12; the CSV has all)",
+    )
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=900.0,
+        help="seconds before a worker is killed (default 900)",
+    )
+    p.add_argument(
+        "--ours-backend",
+        default=None,
+        help="backend= for our function (default automatic; 'torch' on cpu)",
+    )
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default profile/results)")
     return p
 
@@ -96,15 +132,33 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
     # CSV: one row per kernel
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["shape", "impl", "direction", unit.split()[0], "us_per_call", "calls_per_call",
-                    "share"])
+        w.writerow(
+            [
+                "shape",
+                "impl",
+                "direction",
+                unit.split()[0],
+                "us_per_call",
+                "calls_per_call",
+                "share",
+            ]
+        )
         for r in results:
             for d in ("fwd", "bwd"):
                 tab = r.get(d) or {}
                 tot = total_us(tab) or 1.0
                 for name, k in sorted(tab.items(), key=lambda x: -x[1]["us"]):
-                    w.writerow([r["shape"], r["impl"], d, name, f"{k['us']:.3f}",
-                                f"{k['calls']:.2f}", f"{k['us'] / tot:.4f}"])
+                    w.writerow(
+                        [
+                            r["shape"],
+                            r["impl"],
+                            d,
+                            name,
+                            f"{k['us']:.3f}",
+                            f"{k['calls']:.2f}",
+                            f"{k['us'] / tot:.4f}",
+                        ]
+                    )
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
 
@@ -129,7 +183,7 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
                 return f"{t:.1f}"
             return r.get(f"{d}_status") or r.get("status") or "–"
 
-        def ratio(d):
+        def ratio(d, f_=f_, o=o):
             a, b = total_us(f_.get(d)), total_us(o.get(d))
             return f"{a / b:.2f}x" if a and b else ""
 
@@ -139,25 +193,40 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
         if on_gpu:
             fl = C.shape_floor(s)
             t = total_us(o.get("fwd"))
-            row += [f"{fl['floor_ms'] * 1e3:.1f} ({fl['bound']})",
-                    f"{fl['floor_ms'] * 1e3 / t:.0%}" if t else ""]
+            row += [
+                f"{fl['floor_ms'] * 1e3:.1f} ({fl['bound']})",
+                f"{fl['floor_ms'] * 1e3 / t:.0%}" if t else "",
+            ]
         if not args.skip_bwd:
             row += [cell(o, "bwd")] + ([cell(f_, "bwd"), ratio("bwd")] if peer else [])
         rows.append(row)
     summary = C.format_table(rows, head)
 
-    md = [f"# Kernel profile, set '{args.set}': {meta['device_name']}", "",
-          "Written by `profile/profile_gdr.py`; do not edit by hand.", "",
-          f"- command: `{meta['command']}`", f"- date: {meta['date']}",
-          f"- torch {meta.get('torch')}, triton {meta.get('triton')}; versions: "
-          + ", ".join(f"{C.LABELS.get(k, k)} {v}" for k, v in meta.get("versions", {}).items()),
-          f"- per call: {unit} time summed over {args.iters} profiled calls after "
-          f"{3 if on_gpu else 1} warm-up call(s), divided by {args.iters}; gate '{args.gate}', seed {args.seed}; inputs as in "
-          "the benchmark (K = V = 128, bf16, initial state in, final state out)",
-          ("- floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) of the forward "
-           "(gdn-math.md cost model); '% of floor' = floor / our summed kernel time") if on_gpu else
-          "- CPU demo: shows the pipeline, not performance", "",
-          "## Summary (us per call)", "", summary, ""]
+    md = [
+        f"# Kernel profile, set '{args.set}': {meta['device_name']}",
+        "",
+        "Written by `profile/profile_gdr.py`; do not edit by hand.",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}",
+        f"- torch {meta.get('torch')}, triton {meta.get('triton')}; versions: "
+        + ", ".join(f"{C.LABELS.get(k, k)} {v}" for k, v in meta.get("versions", {}).items()),
+        f"- per call: {unit} time summed over {args.iters} profiled calls after "
+        f"{3 if on_gpu else 1} warm-up call(s), divided by {args.iters}; gate '{args.gate}', "
+        f"seed {args.seed}; inputs as in the benchmark (K = V = 128, bf16, initial state in, "
+        "final state out)",
+        (
+            "- floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) of the forward "
+            "(gdn-math.md cost model); '% of floor' = floor / our summed kernel time"
+        )
+        if on_gpu
+        else "- CPU demo: shows the pipeline, not performance",
+        "",
+        "## Summary (us per call)",
+        "",
+        summary,
+        "",
+    ]
     for key in shapes:
         md += [f"## {C.Shape.from_key(key).label}", ""]
         for d in ("fwd", "bwd"):
@@ -173,16 +242,24 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
                     continue
                 tot = total_us(tab)
                 top = sorted(tab.items(), key=lambda x: -x[1]["us"])[: args.top]
-                body = [[short(n), f"{k['us']:.1f}", f"{k['calls']:.1f}", f"{k['us'] / tot:.0%}"]
-                        for n, k in top]
+                body = [
+                    [short(n), f"{k['us']:.1f}", f"{k['calls']:.1f}", f"{k['us'] / tot:.0%}"]
+                    for n, k in top
+                ]
                 more = len(tab) - len(top)
-                md += [f"**{C.LABELS[impl]} {d}**: {tot:.1f} us per call, {len(tab)} {units}"
-                       + (f" ({more} more in the CSV)" if more > 0 else ""), "",
-                       C.format_table(body, [unit, "us", "calls", "share"]), ""]
+                md += [
+                    f"**{C.LABELS[impl]} {d}**: {tot:.1f} us per call, {len(tab)} {units}"
+                    + (f" ({more} more in the CSV)" if more > 0 else ""),
+                    "",
+                    C.format_table(body, [unit, "us", "calls", "share"]),
+                    "",
+                ]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(md))
-    return "\n".join([f"wrote {stem}{x}" for x in (".md", ".csv", ".json")] + ["",
-                      f"Profile '{args.set}' ({meta['device_name']}), us per call:", summary])
+    return "\n".join(
+        [f"wrote {stem}{x}" for x in (".md", ".csv", ".json")]
+        + ["", f"Profile '{args.set}' ({meta['device_name']}), us per call:", summary]
+    )
 
 
 def main(argv=None) -> int:
@@ -200,50 +277,85 @@ def main(argv=None) -> int:
         args.iters = 2 if args.device == "cpu" else 10
     if args.device == "cpu":
         args.ours_backend = args.ours_backend or "torch"
-        print("note: --device cpu: one tiny configuration with our torch backend; FLA needs a "
-              "CUDA GPU and is skipped.", file=sys.stderr)
+        print(
+            "note: --device cpu: one tiny configuration with our torch backend; FLA needs a "
+            "CUDA GPU and is skipped.",
+            file=sys.stderr,
+        )
     scratch = C.new_scratch("profile-gdr-")
     try:
         info = C.probe(peers, scratch)
         if info.get("status") == "error" and "cuda" not in info:
-            print(f"error: cannot start a worker ({info.get('reason')}); this profile needs "
-                  f"PyTorch, a CUDA GPU and {C.INSTALL_HINT} (or --device cpu)", file=sys.stderr)
+            print(
+                f"error: cannot start a worker ({info.get('reason')}); this profile needs "
+                f"PyTorch, a CUDA GPU and {C.INSTALL_HINT} (or --device cpu)",
+                file=sys.stderr,
+            )
             return 2
         if args.device == "cuda" and not info.get("cuda"):
             print(C.NO_GPU_LINE.replace("benchmark", "profile"), file=sys.stderr)
             return 2
         ours_v = str(info.get("versions", {}).get("ours", "error"))
         if ours_v.startswith("error"):
-            print(f"error: our flash_qla is not importable ({ours_v[7:]}); {C.INSTALL_HINT} "
-                  "(or pip install -e packages/flash-qla-core).", file=sys.stderr)
+            print(
+                f"error: our flash_qla is not importable ({ours_v[7:]}); {C.INSTALL_HINT} "
+                "(or pip install -e packages/flash-qla-core).",
+                file=sys.stderr,
+            )
             return 2
         tag = C.gpu_tag(info["device_name"]) if args.device == "cuda" else "torch"
-        spec = {"task": "profile", "device": args.device, "gate": args.gate, "seed": args.seed,
-                "iters": args.iters, "bwd": not args.skip_bwd, "ours_backend": args.ours_backend,
-                "capability": info.get("capability")}
+        spec = {
+            "task": "profile",
+            "device": args.device,
+            "gate": args.gate,
+            "seed": args.seed,
+            "iters": args.iters,
+            "bwd": not args.skip_bwd,
+            "ours_backend": args.ours_backend,
+            "capability": info.get("capability"),
+        }
         results = []
         for shape in C.progress(shapes, desc=f"profile {args.set} ({args.device})"):
             for impl in ["ours"] + peers:
                 if args.device == "cpu" and impl != "ours":
-                    results.append({"impl": impl, "shape": shape.key, "status": "skipped",
-                                    "reason": "skipped: needs a CUDA GPU"})
+                    results.append(
+                        {
+                            "impl": impl,
+                            "shape": shape.key,
+                            "status": "skipped",
+                            "reason": "skipped: needs a CUDA GPU",
+                        }
+                    )
                     continue
                 v = str(info.get("versions", {}).get(impl, ""))
                 if impl != "ours" and v.startswith("not installed"):
-                    results.append({"impl": impl, "shape": shape.key, "status": "not installed",
-                                    "reason": v})
+                    results.append(
+                        {"impl": impl, "shape": shape.key, "status": "not installed", "reason": v}
+                    )
                     continue
                 safe = shape.key.replace(":", "-").replace("/", "_").replace("@", "-")
-                res = C.run_worker({**spec, "impl": impl, "shape": shape.key}, scratch,
-                                   f"{safe}-{impl}", args.worker_timeout)
+                res = C.run_worker(
+                    {**spec, "impl": impl, "shape": shape.key},
+                    scratch,
+                    f"{safe}-{impl}",
+                    args.worker_timeout,
+                )
                 res.setdefault("impl", impl)
                 res.setdefault("shape", shape.key)
                 results.append(res)
-        meta = {"device_name": info.get("device_name"), "torch": info.get("torch"),
-                "triton": info.get("triton"), "versions": info.get("versions", {}),
-                "set": args.set, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], C.REPO)]
-                                    + (sys.argv[1:] if argv is None else list(argv)))}
+        meta = {
+            "device_name": info.get("device_name"),
+            "torch": info.get("torch"),
+            "triton": info.get("triton"),
+            "versions": info.get("versions", {}),
+            "set": args.set,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join(
+                shlex.quote(a)
+                for a in [os.path.relpath(sys.argv[0], C.REPO)]
+                + (sys.argv[1:] if argv is None else list(argv))
+            ),
+        }
         print(render(meta, results, args, tag))
         return 0
     finally:

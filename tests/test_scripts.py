@@ -38,8 +38,9 @@ needs_ours = pytest.mark.skipif(_ours_reason() is not None, reason=str(_ours_rea
 
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @needs_ours

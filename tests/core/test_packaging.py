@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -188,9 +189,9 @@ def test_info_maps_gpus_to_backends_and_fixes():
     ])
     text, status = report(query=query)
     assert status == 0
-    version = importlib.metadata.version("flash-qla-sm90")
-    assert f"cuda:0  NVIDIA H200  compute capability 9.0   141 GiB  -> sm90 (flash-qla-sm90 " \
-           f"{version})" in text
+    version = importlib.metadata.version("flash-qla-sm90").replace(".", r"\.")
+    assert re.search(r"cuda:0\s+NVIDIA H200\s+compute capability 9\.0\s+141 GiB\s+"
+                     rf"-> sm90 \(flash-qla-sm90 {version}\)", text), text
     assert 'cuda:0 (9.0): pip install "flash-qla[sm90]"  [installed]' in text
     assert 'cuda:1 (10.0): pip install "flash-qla[sm100]"  [installed]' in text
     assert "no backend installed" in text

@@ -53,12 +53,20 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def _cuda_python_version() -> str | None:
+    """cuda-python's version, or its cuda-bindings part installed without the meta-package."""
+    version = _dist_version("cuda-python")
+    if version is None and (bindings := _dist_version("cuda-bindings")) is not None:
+        version = f"cuda-bindings {bindings}"
+    return version
+
+
 class _DriverCallError(RuntimeError):
     pass
 
 
 def _query_cuda_python(driver) -> DeviceQuery:
-    query = DeviceQuery(method=f"cuda-python {_dist_version('cuda-python') or '?'} "
+    query = DeviceQuery(method=f"cuda-python {_cuda_python_version() or '?'} "
                                f"(CUDA driver API)")
 
     def call(fn, *args):
@@ -186,7 +194,7 @@ def report(*, verbose: bool = False, query: DeviceQuery | None = None) -> tuple[
     out.append("")
     out.append("Environment")
     tilelang = _dist_version("tilelang")
-    cuda_python = _dist_version("cuda-python")
+    cuda_python = _cuda_python_version()
     out.extend(_table([
         ["Python", f"{platform.python_version()} ({sys.executable})"],
         ["torch", _torch_line()],

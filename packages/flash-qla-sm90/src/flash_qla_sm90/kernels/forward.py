@@ -76,5 +76,5 @@ def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_
         h0, float(scale), o, final_state, h)
 
     return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
-            h.unsqueeze(0) if output_h else None,
+            h.view(B, -1, Hv, K, V) if output_h else None,         # dense: [B, NT/B, ...]
             final_state if output_final_state else None)
