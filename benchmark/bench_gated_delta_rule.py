@@ -27,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402  (the shared module next to this script)
@@ -212,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
         "grid be measured in several shorter commands",
     )
     out.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no new configuration after this many seconds and report the ones "
+        "done (fits a run into a time-limited GPU lease; combine with --resume)",
+    )
+    out.add_argument(
         "--tol",
         type=float,
         default=C.TOL,
@@ -330,7 +338,12 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "capability": info.get("capability"),
     }
     bar = C.progress(shapes, desc=f"benchmark ({args.device})")
+    deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
     for shape in bar:
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"note: --deadline-s {args.deadline_s:g} reached; reporting the "
+                  f"configurations done so far", file=sys.stderr)
+            break
         safe = shape.key.replace(":", "-").replace("/", "_").replace("@", "-")
         ref_path = os.path.join(scratch, f"{safe}.ours.pt")
         done = lambda r: bool(r) and r.get("status") in ("ok", "unsupported")  # noqa: E731

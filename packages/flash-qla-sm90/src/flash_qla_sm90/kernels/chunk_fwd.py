@@ -49,7 +49,7 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
     f32 = "float32"
 
     @T.prim_func
-    def kernel(
+    def chunk_fwd(
         q: T.Tensor((Tt, Hk, K), dtype),
         k: T.Tensor((Tt, Hk, K), dtype),
         v: T.Tensor((Tt, Hv, V), dtype),
@@ -86,12 +86,14 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
             o_frag = T.alloc_fragment((C, BV), f32)
             o_shared = T.alloc_shared((C, BV), dtype)
 
-            n = bx // Hv
-            h = bx % Hv
-            hk = h // (Hv // Hk)                              # GVA: value head -> q/k head
+            # Scalars in registers (T.alloc_var): let-bound ones are re-derived, integer
+            # divisions and global reads included, at every use.
+            n = T.alloc_var("int32", init=bx // Hv)
+            h = T.alloc_var("int32", init=bx % Hv)
+            hk = T.alloc_var("int32", init=h // (Hv // Hk))  # GVA: value head -> q/k head
             v0 = by * BV
-            bos = cu_seqlens[n]
-            seq_len = cu_seqlens[n + 1] - bos
+            bos = T.alloc_var("int32", init=cu_seqlens[n])
+            seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
 
             if has_initial_state:
                 T.copy(initial_state[n, h, :, v0:v0 + BV], s_frag)
@@ -151,4 +153,4 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
 
             T.copy(s_frag, final_state[n, h, :, v0:v0 + BV])
 
-    return kernel
+    return chunk_fwd

@@ -37,7 +37,7 @@ def chunk_prepare_kernel(dtype: str, K: int):
     f32 = "float32"
 
     @T.prim_func
-    def kernel(
+    def chunk_prepare(
         k: T.Tensor((Tt, Hk, K), dtype),
         g: T.Tensor((Tt, Hv), f32),
         beta: T.Tensor((Tt, Hv), f32),
@@ -55,14 +55,15 @@ def chunk_prepare_kernel(dtype: str, K: int):
             a_col = T.alloc_local((C,), f32)                  # one column of A per thread
             acc = T.alloc_local((1,), f32)
 
+            # Scalars live in registers (T.alloc_var): as plain let-bindings TileLang
+            # re-reads them from global memory at every use, inside unrolled loops too.
             chunk = bid // Hv
-            h = bid % Hv
-            seq = chunk_idx[chunk, 0]
+            h = T.alloc_var("int32", init=bid % Hv)
+            seq = T.alloc_var("int32", init=chunk_idx[chunk, 0])
             if seq >= 0:
-                c = chunk_idx[chunk, 1]
-                t0 = cu_seqlens[seq] + c * C                  # first token of the chunk
-                rows = T.min(cu_seqlens[seq + 1] - t0, C)     # valid rows, 1..C
-                hk = h // (Hv // Hk)                          # GVA: value head -> q/k head
+                t0 = T.alloc_var("int32", init=cu_seqlens[seq] + chunk_idx[chunk, 1] * C)
+                rows = T.alloc_var("int32", init=T.min(cu_seqlens[seq + 1] - t0, C))  # 1..C
+                hk = T.alloc_var("int32", init=h // (Hv // Hk))  # GVA: value head -> q/k head
 
                 T.copy(k[t0:t0 + C, hk, :], k_shared)
                 T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
@@ -93,4 +94,4 @@ def chunk_prepare_kernel(dtype: str, K: int):
                         if i < rows:
                             A[t0 + i, h, tx] = T.cast(a_col[i], dtype)
 
-    return kernel
+    return chunk_prepare
