@@ -24,7 +24,8 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     Raises ``ValueError`` when the shapes differ (no silent broadcasting).
     """
     if actual.shape != expected.shape:
-        raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}")
+        raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} "
+                         f"vs expected {tuple(expected.shape)}")
     a = actual.detach().to(device="cpu", dtype=torch.float64)
     e = expected.detach().to(device="cpu", dtype=torch.float64)
     if not (torch.isfinite(a).all() and torch.isfinite(e).all()):

@@ -24,6 +24,7 @@ from functools import cache
 import pytest
 import torch
 import torch.nn.functional as F
+
 from flash_qla.backend import Kernels
 from flash_qla.reference import (
     TORCH_KERNELS,
@@ -31,7 +32,6 @@ from flash_qla.reference import (
     chunk_gated_delta_rule_fwd_torch,
     recurrent_gated_delta_rule,
 )
-
 from tests.helpers import rel_l2
 
 C = 64
@@ -197,8 +197,8 @@ class Reference:
 def recurrence_reference(case: Case) -> Reference:
     """fp64 recurrence output, final state, and autograd gradients through it."""
     x = make_inputs(case)
-    leaves = {name: t.clone().requires_grad_(True) for name, t in
-              {"q": x.q, "k": x.k, "v": x.v, "g": x.g, "beta": x.beta, "h0": x.h0}.items() if t is not None}
+    named = {"q": x.q, "k": x.k, "v": x.v, "g": x.g, "beta": x.beta, "h0": x.h0}
+    leaves = {name: t.clone().requires_grad_(True) for name, t in named.items() if t is not None}
     o, final_state = recurrent_gated_delta_rule(
         leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
         scale=case.scale, initial_state=leaves.get("h0"), cu_seqlens=x.cu,
@@ -334,7 +334,10 @@ def test_padding_grads_exact_zero(case, grad):
 @pytest.mark.parametrize("case", _params(ALL_CASES))
 def test_forward_shapes(case):
     g_cumsum, A, o, h, final_state = chunked_forward(case)
-    lengths = [case.T] * case.B if case.cu is None else [b - a for a, b in zip(case.cu, case.cu[1:])]
+    if case.cu is None:
+        lengths = [case.T] * case.B
+    else:
+        lengths = [b - a for a, b in zip(case.cu, case.cu[1:])]
     nt = math.ceil(case.T / C) if case.cu is None else sum(math.ceil(n / C) for n in lengths)
     assert g_cumsum.shape == (case.B, case.T, case.Hv)
     assert A.shape == (case.B, case.T, case.Hv, C)

@@ -97,7 +97,8 @@ def make_inputs(case: Case, device="cuda", seed=0):
 
 
 def reference(inp):
-    f64 = {n: (t.double() if t is not None and t.is_floating_point() else t) for n, t in inp.items()}
+    f64 = {n: (t.double() if t is not None and t.is_floating_point() else t)
+           for n, t in inp.items()}
     return recurrent_gated_delta_rule(
         f64["q"], f64["k"], f64["v"], f64["g"], f64["beta"], initial_state=f64["initial_state"],
         cu_seqlens=f64["cu_seqlens"], output_final_state=True)
@@ -142,7 +143,7 @@ def test_high_level_options():
     Hv = inp["v"].shape[2]
     A_log = torch.log(torch.empty(Hv, device="cuda").uniform_(1, 16))
     dt_bias = torch.randn(Hv, device="cuda") * 0.1
-    kw = dict(q=inp["q"] * 3, k=inp["k"] * 3, v=inp["v"], g=inp["g"] * 0 + torch.randn_like(inp["g"]),
+    kw = dict(q=inp["q"] * 3, k=inp["k"] * 3, v=inp["v"], g=torch.randn_like(inp["g"]),
               beta=inp["beta"], initial_state=inp["initial_state"].transpose(-1, -2).contiguous(),
               cu_seqlens=inp["cu_seqlens"], output_final_state=True, use_qk_l2norm_in_kernel=True,
               state_v_first=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)

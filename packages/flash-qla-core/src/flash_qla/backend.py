@@ -24,8 +24,9 @@ log gate. Layout conversions and the optional pre-passes are done by the core.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 #: Bumped whenever the signature or semantics of ``Kernels.fwd``/``Kernels.bwd``
 #: change. A backend declaring another version is refused with a pip command.

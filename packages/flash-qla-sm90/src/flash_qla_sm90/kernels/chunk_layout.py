@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from flash_qla.utils import tensor_cache
 
 from .traits import CHUNK
