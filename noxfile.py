@@ -88,10 +88,26 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", *(session.posargs or ["."]))
 
 
+def _fill_kernel_cache(session: nox.Session) -> None:
+    if shutil.which("nvcc") is None:
+        session.warn("nvcc not found: the sm90 wheel ships no precompiled kernels")
+        return
+    session.install(CPU_TORCH)
+    session.install("-e", "packages/flash-qla-core", "-e", "packages/flash-qla-sm90")
+    cache = ROOT / "packages/flash-qla-sm90/src/flash_qla_sm90/kernel_cache"
+    session.run("python", "-m", "flash_qla_sm90.kernels.kernel_cache", str(cache))
+
+
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def build(session: nox.Session, package: str) -> None:
-    """Wheel and sdist of one package into dist/ (the wheel is built from the sdist)."""
+    """Wheel and sdist of one package into dist/ (the wheel is built from the sdist).
+
+    For flash-qla-sm90 every kernel variant is compiled first (nvcc + TileLang, no GPU)
+    into the package's ``kernel_cache/``, so the wheel serves its first call without JIT.
+    """
     session.install("build")
+    if package == "flash-qla-sm90":
+        _fill_kernel_cache(session)
     session.run("python", "-m", "build", "--outdir", str(ROOT / "dist"),
                 str(ROOT / "packages" / package))

@@ -22,6 +22,11 @@ ARCH_CAPABILITIES = {
 }
 
 
+# The CPU tests run many small ops: extra threads only contend (a 2-core CI box ran the
+# core suite ~5x slower with torch's default thread count).
+torch.set_num_threads(1)
+
+
 @functools.cache
 def _cuda_available() -> bool:
     return torch.cuda.is_available()

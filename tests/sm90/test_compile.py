@@ -7,12 +7,10 @@ paths the design relies on: WGMMA for the GEMMs and TMA for the tile loads.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 tilelang = pytest.importorskip("tilelang", reason="TileLang is not installed")
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+pytestmark = pytest.mark.nvcc
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,7 +15,7 @@ import flash_qla
 from flash_qla.reference import recurrent_gated_delta_rule
 from tests.helpers import rel_l2
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.sm90
 
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 

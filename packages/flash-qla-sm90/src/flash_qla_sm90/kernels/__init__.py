@@ -8,8 +8,6 @@ cache with the kernels compiled at build time, so the first call does not compil
 
 from __future__ import annotations
 
-from .kernel_cache import use_shipped_cache
-
 
 class Sm90Kernels:
     """The :class:`flash_qla.backend.Kernels` of the Hopper backend."""
@@ -34,5 +32,7 @@ class Sm90Kernels:
 
 
 def load() -> Sm90Kernels:
+    from .kernel_cache import use_shipped_cache
+
     use_shipped_cache()
     return Sm90Kernels()
