@@ -809,24 +809,8 @@ def main(argv=None) -> int:
 
     scratch = C.new_scratch("bench-gdr-")
     try:
-        info = C.probe(peers, scratch)
-        if info.get("status") == "error" and "cuda" not in info:
-            print(
-                f"error: cannot start a worker ({info.get('reason')}); this benchmark needs "
-                f"PyTorch, a CUDA GPU and {C.INSTALL_HINT} (or --device cpu)",
-                file=sys.stderr,
-            )
-            return 2
-        if args.device == "cuda" and not info.get("cuda"):
-            print(C.NO_GPU_LINE, file=sys.stderr)
-            return 2
-        ours_v = str(info.get("versions", {}).get("ours", "error"))
-        if ours_v.startswith("error"):
-            print(
-                f"error: our flash_qla is not importable ({ours_v[7:]}); "
-                f"{C.INSTALL_HINT} (or pip install -e packages/flash-qla-core).",
-                file=sys.stderr,
-            )
+        info = C.probe_or_explain(peers, scratch, args.device, "benchmark")
+        if info is None:
             return 2
         tag = args.tag or (C.gpu_tag(info["device_name"]) if args.device == "cuda" else "cpu")
         if not args.tag and args.gate != "model":

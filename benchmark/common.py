@@ -995,6 +995,25 @@ def probe(peers: list[str], scratch: str, timeout: float = 300) -> dict:
     return run_worker({"task": "probe", "impl": "probe", "peers": peers}, scratch, "probe", timeout)
 
 
+def probe_or_explain(peers: list[str], scratch: str, device: str, what: str) -> dict | None:
+    """Probe the worker environment; None (after one clear line on stderr) when ``what``
+    (``"benchmark"``, ``"profile"``) cannot run: no worker, no GPU, or our package missing."""
+    info = probe(peers, scratch)
+    if info.get("status") == "error" and "cuda" not in info:
+        why = (f"error: cannot start a worker ({info.get('reason')}); this {what} needs "
+               f"PyTorch, a CUDA GPU and {INSTALL_HINT} (or --device cpu)")
+    elif device == "cuda" and not info.get("cuda"):
+        why = NO_GPU_LINE.replace("benchmark", what)
+    elif str(info.get("versions", {}).get("ours", "error")).startswith("error"):
+        ours = str(info["versions"].get("ours", "error"))
+        why = (f"error: our flash_qla is not importable ({ours[7:]}); {INSTALL_HINT} "
+               "(or pip install -e packages/flash-qla-core).")
+    else:
+        return info
+    print(why, file=sys.stderr)
+    return None
+
+
 def flashqla_version(path: str | None) -> str | None:
     """Version of the FlashQLA at ``path`` read from its sources (it cannot be imported
     in this process: its import name is ours)."""
