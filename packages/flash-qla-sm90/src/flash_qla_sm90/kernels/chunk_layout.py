@@ -9,6 +9,7 @@ path free of host syncs and safe under CUDA-graph capture.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +51,8 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
     return _build(cu_seqlens, num_tokens)
 
 
-_DENSE: dict[tuple, ChunkLayout] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
-    """Layout for B sequences of length T (cached per shape and device)."""
-    key = (batch, seq_len, device)
-    if key not in _DENSE:
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
-        _DENSE[key] = _build(cu, batch * seq_len)
-    return _DENSE[key]
+    """Layout for B sequences of length T (the 64 most recent shapes are cached)."""
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
+    return _build(cu, batch * seq_len)
