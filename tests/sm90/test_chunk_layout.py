@@ -1,0 +1,36 @@
+"""The sm90 per-call chunk index, built on the device without a host sync (CPU check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_qla.utils import prepare_chunk_indices, prepare_chunk_offsets
+from flash_qla_sm90.kernels.chunk_layout import dense_layout, varlen_layout
+
+CU_SEQLENS = {
+    "empty-first": [0, 0, 64],
+    "empty-last": [0, 64, 64],
+    "odd-with-padding": [0, 1, 63, 63, 138, 268],
+    "one-token": [0, 1],
+}
+
+
+@pytest.mark.parametrize("cu", CU_SEQLENS.values(), ids=CU_SEQLENS.keys())
+def test_varlen_layout_matches_the_utils(cu):
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    num_tokens = cu[-1] + 7                                # padding tokens after the end
+    layout = varlen_layout(cu_t, num_tokens)
+    real = prepare_chunk_indices(cu_t, 64)                 # [NT, 2]
+    offsets, total = prepare_chunk_offsets(cu_t, 64)
+    assert layout.num_chunks_max >= total
+    assert torch.equal(layout.chunk_idx[:total].long(), real)
+    assert bool((layout.chunk_idx[total:] == -1).all())    # unused grid rows are skipped
+    assert torch.equal(layout.chunk_offsets.long(), offsets)
+
+
+def test_dense_layout_is_b_sequences_of_t():
+    layout = dense_layout(3, 100, torch.device("cpu"))
+    assert layout.cu_seqlens.tolist() == [0, 100, 200, 300]
+    assert layout.chunk_idx[:6].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]]
+    assert dense_layout(3, 100, torch.device("cpu")) is layout
