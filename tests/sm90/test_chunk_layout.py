@@ -32,5 +32,6 @@ def test_varlen_layout_matches_the_utils(cu):
 def test_dense_layout_is_b_sequences_of_t():
     layout = dense_layout(3, 100, torch.device("cpu"))
     assert layout.cu_seqlens.tolist() == [0, 100, 200, 300]
+    assert layout.num_chunks == 6
     assert layout.chunk_idx[:6].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]]
     assert dense_layout(3, 100, torch.device("cpu")) is layout

@@ -22,13 +22,18 @@ class Sm90Kernels:
 
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
             cu_seqlens_cpu):
-        # No TileLang backward yet (issue "SM90 backward kernels"): the chunked PyTorch
-        # backward runs on the GPU instead. Correct, and slow.
-        from flash_qla.reference import TORCH_KERNELS
+        # Until the TileLang backward lands (issue "SM90 backward kernels"): the fused
+        # forward kernel recomputes the chunk-start states, then the chunk-parallel
+        # PyTorch backward runs every chunk at once (only the dS sweep is serial).
+        from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
 
-        return TORCH_KERNELS.bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
-                                 initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                 cu_seqlens_cpu=cu_seqlens_cpu)
+        from .forward import chunk_states
+
+        h = chunk_states(q, k, v, g_cumsum, beta, A, scale=scale, initial_state=initial_state,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return chunk_gated_delta_rule_bwd_parallel(
+            q, k, v, g_cumsum, beta, A, do, h, dht=dht, scale=scale,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def load() -> Sm90Kernels:

@@ -26,9 +26,10 @@ class ChunkLayout:
     chunk_idx: torch.Tensor       # [NTmax, 2] int32, (sequence, chunk in sequence) or -1
     num_seqs: int                 # N
     num_chunks_max: int           # NTmax >= real number of chunks
+    num_chunks: int | None        # the real number, when known on the host (dense)
 
 
-def _build(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
+def _build(cu_seqlens: torch.Tensor, num_tokens: int, num_chunks: int | None = None) -> ChunkLayout:
     cu = cu_seqlens.to(torch.int32)
     n = cu.numel() - 1
     lens = cu[1:] - cu[:-1]                                          # [N]
@@ -42,7 +43,7 @@ def _build(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
     chunk_idx = torch.stack(
         [torch.where(live, seq.to(torch.int32), -1),
          torch.where(live, idx - offsets[seq], -1)], dim=1).contiguous()  # [NTmax, 2]
-    return ChunkLayout(cu, offsets, chunk_idx, n, nt_max)
+    return ChunkLayout(cu, offsets, chunk_idx, n, nt_max, num_chunks)
 
 
 @tensor_cache
@@ -55,4 +56,4 @@ def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
 def dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
     """Layout for B sequences of length T (the 64 most recent shapes are cached)."""
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
-    return _build(cu, batch * seq_len)
+    return _build(cu, batch * seq_len, num_chunks=batch * -(-seq_len // CHUNK))

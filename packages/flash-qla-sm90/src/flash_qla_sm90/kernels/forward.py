@@ -36,10 +36,34 @@ def _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens: int) -> bool:
 
 
 def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
+    if layout.num_chunks is not None:
+        return layout.num_chunks
     if cu_seqlens_cpu is not None:
         lens = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
         return int(((lens + CHUNK - 1) // CHUNK).sum())
-    return int(layout.chunk_offsets[-1].item())   # host sync, only for output_h
+    return int(layout.chunk_offsets[-1].item())   # host sync: h needs its size
+
+
+def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
+           num_chunks: int | None, alloc):
+    """Run the fused chunk-recurrent kernel on packed inputs.
+
+    q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
+    A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
+    ``[NT, Hv, K, V]`` fp32. Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
+    """
+    Tt, Hk, K = q.shape
+    Hv, V = v.shape[1:]
+    o = alloc(Tt, Hv, V, dtype=q.dtype, device=q.device)
+    final_state = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
+    has_h0 = initial_state is not None
+    h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
+    store_h = num_chunks is not None
+    h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
+    chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)(
+        q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
+        h0, float(scale), o, final_state, h)
+    return o, final_state, (h if store_h else None)
 
 
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
@@ -48,33 +72,31 @@ def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
     Tt = B * T
-    dtype_name = _DTYPE_NAMES[q.dtype]
     layout = layout_for(q, cu_seqlens)
     alloc = torch.zeros if _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt) else torch.empty
-    dev = q.device
-
-    q_p, k_p, v_p = _packed(q), _packed(k), _packed(v)           # [Tt, H, D]
-    g_p = _packed(g, torch.float32)                               # [Tt, Hv]
-    beta_p = _packed(beta, torch.float32)                         # [Tt, Hv]
-    g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=dev)
-    A = alloc(Tt, Hv, CHUNK, dtype=q.dtype, device=dev)
-    chunk_prepare_kernel(dtype_name, K)(
-        k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
-
-    N = layout.num_seqs
-    o = alloc(Tt, Hv, V, dtype=q.dtype, device=dev)
-    final_state = torch.empty(N, Hv, K, V, dtype=torch.float32, device=dev)
-    has_h0 = initial_state is not None
-    h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
-    if output_h:
-        h = torch.empty(total_chunks(layout, cu_seqlens_cpu), Hv, K, V,
-                        dtype=torch.float32, device=dev)
-    else:
-        h = final_state.new_empty(1, Hv, K, V)
-    chunk_fwd_kernel(dtype_name, K, V, has_h0, output_h)(
-        q_p, k_p, v_p, g_cumsum, beta_p, A, layout.cu_seqlens, layout.chunk_offsets,
-        h0, float(scale), o, final_state, h)
-
+    k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
+    g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
+    A = alloc(Tt, Hv, CHUNK, dtype=q.dtype, device=q.device)
+    chunk_prepare_kernel(_DTYPE_NAMES[q.dtype], K)(
+        k_p, _packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
+        g_cumsum, A)
+    o, final_state, h = _fused(
+        _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
+        initial_state=initial_state, alloc=alloc,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h else None)
     return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             h.view(B, -1, Hv, K, V) if output_h else None,         # dense: [B, NT/B, ...]
             final_state if output_final_state else None)
+
+
+def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
+                 cu_seqlens_cpu):
+    """Chunk-start states h ``[NT, Hv, K, V]`` fp32 for the backward, from the forward's
+    saved g_cumsum and A (the fused kernel alone; o is recomputed and dropped)."""
+    layout = layout_for(q, cu_seqlens)
+    _, _, h = _fused(
+        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
+        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
+        initial_state=initial_state, alloc=torch.empty,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu))
+    return h
