@@ -196,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="backend= passed to our chunk_gated_delta_rule (default: automatic on "
         "cuda, 'torch' on cpu)",
     )
+    p.add_argument(
+        "--ours-segment-len",
+        type=int,
+        default=None,
+        help="segment_len= passed to our chunk_gated_delta_rule: the exact segment-"
+        "parallel forward with segments of this many tokens (a multiple of 64); use "
+        "--tag to keep its results apart",
+    )
     out = p.add_argument_group("output")
     out.add_argument(
         "--out", default=DEFAULT_OUT, help="output directory (default: benchmark/results)"
@@ -335,6 +343,7 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "graphs": not args.no_graphs,
         "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
         "ours_backend": args.ours_backend,
+        "ours_segment_len": args.ours_segment_len,
         "capability": info.get("capability"),
     }
     bar = C.progress(shapes, desc=f"benchmark ({args.device})")
@@ -410,6 +419,7 @@ def cold_first_call(args, shape: C.Shape, impls: list[str], scratch: str) -> dic
             "rep_ms": 1,
             "graphs": False,
             "ours_backend": args.ours_backend,
+        "ours_segment_len": args.ours_segment_len,
             "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
             "ref_path": os.path.join(cache, "none.pt"),
             "capability": None,

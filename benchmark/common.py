@@ -438,6 +438,7 @@ class Ours(Impl):
         flash_qla = import_ours()
         self.fn = flash_qla.chunk_gated_delta_rule
         self.backend = ctx.get("ours_backend")
+        self.segment_len = ctx.get("ours_segment_len")
         return getattr(flash_qla, "__version__", "?")
 
     def prepare(self, inp, ctx, requires_grad=False):
@@ -447,6 +448,8 @@ class Ours(Impl):
 
     def call(self, a):
         kw = {"backend": self.backend} if self.backend else {}
+        if self.segment_len:
+            kw["segment_len"] = self.segment_len
         return self.fn(
             **a["views"](a),
             initial_state=a["h0"],

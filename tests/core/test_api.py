@@ -317,8 +317,6 @@ NOT_IMPLEMENTED = [
     pytest.param({"cp_context": object()}, r"cp_context", id="cp_context"),
     pytest.param({"enable_fwd_cp_cache": True}, r"enable_fwd_cp_cache=True",
                  id="enable_fwd_cp_cache"),
-    pytest.param({"force_intra_cp": True}, r"force_intra_cp=True", id="force_intra_cp"),
-    pytest.param({"segment_len": 1024}, r"segment_len=1024", id="segment_len"),
 ]
 
 
@@ -345,6 +343,46 @@ def test_accepted_compat_keywords_do_not_change_result(kwargs):
     with_kwargs = run_api(inputs, VARLEN, **kwargs)
     plain = run_api(inputs, VARLEN)
     assert torch.equal(with_kwargs[0], plain[0]) and torch.equal(with_kwargs[1], plain[1])
+
+
+SEGMENTED = [
+    pytest.param({"segment_len": 64}, id="segment_len-64"),
+    pytest.param({"segment_len": 128, "force_intra_cp": True}, id="segment_len-128-forced"),
+    pytest.param({"force_intra_cp": True}, id="force_intra_cp-default-length"),
+]
+
+
+@pytest.mark.parametrize("kwargs", SEGMENTED)
+def test_segment_parallel_forward_matches_recurrence(kwargs):
+    """Exact split: values and every gradient as without it (fp64, torch backend)."""
+    inputs = make_inputs(VARLEN)
+    o, final = run_api(inputs, VARLEN, **kwargs)
+    ref_o, ref_final = oracle(inputs, VARLEN)
+    assert rel_l2(o, ref_o) < FP64_TOL
+    assert rel_l2(final, ref_final) < FP64_TOL
+    names = [n for n, t in inputs.items() if torch.is_tensor(t) and t.requires_grad]
+    grads = torch.autograd.grad((o.square().sum() + final.sum()), [inputs[n] for n in names])
+    ref = torch.autograd.grad((ref_o.square().sum() + ref_final.sum()),
+                              [inputs[n] for n in names])
+    for name, a, b in zip(names, grads, ref):
+        assert rel_l2(a, b) < FP64_TOL, name
+
+
+BAD_SEGMENTS = [
+    pytest.param({"segment_len": 100}, ValueError, r"segment_len: expected a positive "
+                 r"multiple of the chunk size 64, got 100", id="not-multiple"),
+    pytest.param({"segment_len": 0}, ValueError, r"segment_len", id="zero"),
+    pytest.param({"segment_len": 64.0}, TypeError, r"segment_len: expected an int",
+                 id="float"),
+    pytest.param({"segment_len": 64, "force_intra_cp": False}, ValueError,
+                 r"force_intra_cp=False contradicts segment_len=64", id="contradiction"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", BAD_SEGMENTS)
+def test_bad_segment_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        run_api(make_inputs(VARLEN), VARLEN, **kwargs)
 
 
 def test_unknown_keyword_is_a_type_error():

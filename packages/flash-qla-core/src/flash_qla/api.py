@@ -32,11 +32,17 @@ Layers, top to bottom:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from flash_qla import validation
 from flash_qla.backend import BackendSpec, Kernels
+from flash_qla.segments import DEFAULT_SEGMENT_LEN, fwd_with_segments
+
+#: segment_len must keep chunk boundaries in place: a multiple of every backend's C.
+SEGMENT_MULTIPLE = 64
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -85,8 +91,7 @@ def _resolve_v_first(transpose_state_layout: bool, state_v_first: bool | None) -
 
 
 def _reject_unsupported(*, head_first: bool, auto_cp: bool | None,
-                        enable_fwd_cp_cache: bool | None, cp_context: object,
-                        force_intra_cp: bool | None, segment_len: int | None) -> None:
+                        enable_fwd_cp_cache: bool | None, cp_context: object) -> None:
     """Accepted-for-compatibility keywords whose requested behaviour does not exist yet."""
     validation.check_bool("head_first", head_first)
     validation.check_bool("auto_cp", auto_cp, optional=True)
@@ -104,16 +109,23 @@ def _reject_unsupported(*, head_first: bool, auto_cp: bool | None,
             "enable_fwd_cp_cache=True is not supported (there is no segment-parallel "
             "forward to cache yet); pass None or False"
         )
-    if force_intra_cp:
-        raise NotImplementedError(
-            "force_intra_cp=True is not supported yet (no intra-sequence segment "
-            "parallelism); pass None or False"
-        )
-    if segment_len is not None:
-        raise NotImplementedError(
-            f"segment_len={segment_len!r} is not supported yet (no intra-sequence segment "
-            "parallelism); pass None"
-        )
+
+
+def _resolve_segment_len(force_intra_cp: bool | None, segment_len: int | None) -> int | None:
+    """Tokens per segment of the segment-parallel forward, or None for no split."""
+    validation.check_bool("force_intra_cp", force_intra_cp, optional=True)
+    if segment_len is None:
+        return DEFAULT_SEGMENT_LEN if force_intra_cp else None
+    if isinstance(segment_len, bool) or not isinstance(segment_len, int):
+        raise TypeError(f"segment_len: expected an int (tokens per segment) or None, got "
+                        f"{type(segment_len).__name__}")
+    if segment_len <= 0 or segment_len % SEGMENT_MULTIPLE:
+        raise ValueError(f"segment_len: expected a positive multiple of the chunk size "
+                         f"{SEGMENT_MULTIPLE}, got {segment_len}")
+    if force_intra_cp is False:
+        raise ValueError(f"force_intra_cp=False contradicts segment_len={segment_len}; "
+                         "pass one of them")
+    return segment_len
 
 
 def _contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -160,9 +172,11 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state,
-                cu_seqlens, cu_seqlens_cpu, kernels):
+                cu_seqlens, cu_seqlens_cpu, kernels, segment_len):
         q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
-        g_cumsum, A, o, _, final_state = kernels.fwd(
+        fwd = (kernels.fwd if segment_len is None
+               else functools.partial(fwd_with_segments, kernels.fwd, segment_len=segment_len))
+        g_cumsum, A, o, _, final_state = fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
             output_final_state=output_final_state, output_h=False)
@@ -183,7 +197,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu)
         return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dh0,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------------------
@@ -252,9 +266,16 @@ def chunk_gated_delta_rule(
             differentiable pre-pass. A_log ``[Hv]`` is required, dt_bias ``[Hv]`` is
             optional (None means 0); both are rejected without ``use_gate_in_kernel``.
         auto_cp: a performance hint (FlashQLA): True/False/None are accepted; there is
-            no intra-sequence split yet, so it does not change the computation.
-        enable_fwd_cp_cache, cp_context, force_intra_cp, segment_len: accepted for
-            compatibility; any value other than None/False raises NotImplementedError.
+            no automatic split decision yet (it needs the H200 cost model), so it does
+            not change the computation.
+        segment_len: tokens per segment (a positive multiple of 64) of the exact
+            segment-parallel forward (:mod:`flash_qla.segments`): every sequence is
+            split into segments computed in parallel, then stitched by a short scan over
+            segment transitions. None (default): no split. The backward is unchanged.
+        force_intra_cp: FlashQLA's switch: True splits with ``segment_len`` or
+            ``DEFAULT_SEGMENT_LEN`` (1024); False with a ``segment_len`` is an error.
+        enable_fwd_cp_cache, cp_context: accepted for compatibility; any value other
+            than None/False raises NotImplementedError.
         backend: force a backend by name, e.g. ``"torch"`` (the env variable
             ``FLASH_QLA_BACKEND`` does the same); None picks one for q's device.
 
@@ -272,8 +293,8 @@ def chunk_gated_delta_rule(
     ``g <= 0``, beta's range, and ``cu_seqlens`` contents during CUDA-graph capture.
     """
     _reject_unsupported(head_first=head_first, auto_cp=auto_cp,
-                        enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context,
-                        force_intra_cp=force_intra_cp, segment_len=segment_len)
+                        enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context)
+    segment_len = _resolve_segment_len(force_intra_cp, segment_len)
     v_first = _resolve_v_first(transpose_state_layout, state_v_first)
     validation.check_bool("output_final_state", output_final_state)
     validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
@@ -296,7 +317,7 @@ def chunk_gated_delta_rule(
 
     o, final_state = _ChunkGatedDeltaRule.apply(
         q, k, v, g, beta, initial_state, scale, output_final_state,
-        cu_seqlens, cu_seqlens_cpu, kernels)
+        cu_seqlens, cu_seqlens_cpu, kernels, segment_len)
 
     # Post-pass: back to the caller's state layout.
     if v_first:

@@ -1,0 +1,139 @@
+"""Exact segment (intra-sequence) parallelism of the forward, on any backend's kernels.
+
+A sequence of many chunks walks its chunks serially: with few sequences x few heads
+most SMs idle. Split every sequence into segments of ``segment_len`` tokens (a
+multiple of C, so chunk boundaries do not move). The chunk update is affine in the
+start state (gdn-math.md, "Segment transition")::
+
+    S_out(s) = M_seg(s) S_in(s) + L_seg(s)
+
+and three passes of the backend's own forward, each over all segments in parallel
+(the segments passed as packed sequences), give the exact result:
+
+1. ``L_seg``: every segment from a zero state (its final state);
+2. ``M_seg``: every segment with v = 0 from the identity (``[K, K]`` as the state,
+   ``V`` columns per pass), since then ``S_out = M_seg I``;
+3. a short sequential scan over the segments of each sequence for the true
+   ``S_in``, then the output pass from those states.
+
+No gate-driven truncation: the result equals the unsplit forward up to the rounding
+of the backend (its states pass through its GEMM dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["DEFAULT_SEGMENT_LEN", "fwd_with_segments", "segment_bounds", "segmented_fwd"]
+
+#: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``.
+DEFAULT_SEGMENT_LEN = 1024
+
+
+def segment_bounds(bounds: list[int], segment_len: int) -> tuple[list[int], list[int]]:
+    """Split packed sequences into segments.
+
+    Args:
+        bounds: ``[N + 1]`` sequence offsets (``cu_seqlens`` on the host).
+        segment_len: tokens per segment (the last segment of a sequence may be shorter).
+
+    Returns ``(seg_bounds, first)``: offsets of the segments (packed, in order) and,
+    per sequence, the index of its first segment (``first[N]`` = number of segments).
+    Empty sequences own no segment.
+
+    >>> segment_bounds([0, 5, 5, 12], 4)
+    ([0, 4, 5, 9, 12], [0, 2, 2, 4])
+    """
+    seg, first = [bounds[0]], [0]
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        seg.extend(range(bos + segment_len, eos, segment_len))
+        if eos > bos:
+            seg.append(eos)
+        first.append(len(seg) - 1)
+    return seg, first
+
+
+def _identity_columns(n: int, Hv: int, K: int, V: int, start: int, like: Tensor) -> Tensor:
+    """``[n, Hv, K, V]``: columns ``start .. start + V`` of the K x K identity."""
+    eye = torch.zeros(K, V, dtype=torch.float32, device=like.device)     # [K,V]
+    cols = torch.arange(start, min(start + V, K), device=like.device)
+    eye[cols, cols - start] = 1.0
+    return eye.expand(n, Hv, K, V).contiguous()
+
+
+def _transitions(fwd, q, k, v, g, beta, cu, scale) -> Tensor:
+    """``M_seg`` of every segment ``[Nseg, Hv, K, K]`` (pass 2)."""
+    n_seg, Hv, K, V = cu.numel() - 1, v.shape[2], q.shape[-1], v.shape[-1]
+    zero_v = torch.zeros_like(v)
+    cols = []
+    for start in range(0, K, V):
+        h0 = _identity_columns(n_seg, Hv, K, V, start, q)
+        cols.append(fwd(q, k, zero_v, g, beta, scale=scale, initial_state=h0, cu_seqlens=cu,
+                        cu_seqlens_cpu=cu.cpu(), output_final_state=True,
+                        output_h=False)[4])                             # [Nseg,Hv,K,V]
+    return torch.cat(cols, dim=-1)[..., :K]                              # [Nseg,Hv,K,K]
+
+
+def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
+          ) -> tuple[Tensor, Tensor]:
+    """Segment start states ``[Nseg, Hv, K, V]`` and sequence final states ``[N, ...]``.
+
+    ``S_in(first[n]) = h0[n]``; ``S_in(s + 1) = M(s) S_in(s) + L(s)`` within a sequence.
+    One batched step per segment position, over the sequences that still have one.
+    """
+    N = len(first) - 1
+    state = (L.new_zeros(N, *L.shape[1:]) if initial_state is None
+             else initial_state.to(L.dtype).clone())                    # [N,Hv,K,V]
+    S_in = torch.empty_like(L)                                           # [Nseg,Hv,K,V]
+    counts = [first[n + 1] - first[n] for n in range(N)]
+    for j in range(max(counts, default=0)):
+        seqs = [n for n in range(N) if counts[n] > j]
+        idx_n = torch.tensor(seqs, dtype=torch.long, device=L.device)
+        idx_s = torch.tensor([first[n] + j for n in seqs], dtype=torch.long, device=L.device)
+        S_in[idx_s] = state[idx_n]
+        state[idx_n] = M[idx_s] @ state[idx_n] + L[idx_s]               # [a,Hv,K,V]
+    return S_in, state
+
+
+def segmented_fwd(fwd, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
+                  bounds: list[int], output_final_state: bool, output_h: bool,
+                  segment_len: int):
+    """``Kernels.fwd`` contract, computed segment-parallel with ``fwd`` (a ``Kernels.fwd``).
+
+    q, k ``[1, T, Hk, K]``; v ``[1, T, Hv, V]``; g, beta ``[1, T, Hv]``: packed
+    sequences with host offsets ``bounds`` (``[N + 1]``; dense inputs are flattened by
+    the caller). ``segment_len`` must be a positive multiple of the backend's chunk
+    size. Returns ``(g_cumsum, A, o, h, final_state)`` as the unsplit ``fwd`` would.
+    """
+    seg, first = segment_bounds(bounds, segment_len)
+    cu = torch.tensor(seg, dtype=torch.int32, device=q.device)           # [Nseg+1]
+    cu_cpu = torch.tensor(seg, dtype=torch.int32)
+    common = dict(scale=scale, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    L = fwd(q, k, v, g, beta, initial_state=None, output_final_state=True, output_h=False,
+            **common)[4]                                                 # [Nseg,Hv,K,V]
+    M = _transitions(fwd, q, k, v, g, beta, cu, scale)                   # [Nseg,Hv,K,K]
+    S_in, final_state = _scan(M, L, first, initial_state)
+    g_cumsum, A, o, h, _ = fwd(q, k, v, g, beta, initial_state=S_in.contiguous(),
+                               output_final_state=False, output_h=output_h, **common)
+    return g_cumsum, A, o, h, (final_state if output_final_state else None)
+
+
+def fwd_with_segments(fwd, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
+                      cu_seqlens_cpu, output_final_state, output_h, segment_len: int):
+    """``Kernels.fwd`` (same arguments and returns) made segment-parallel; dense
+    ``[B, T]`` inputs are run as B packed sequences. Reads ``cu_seqlens`` on the host
+    (``cu_seqlens_cpu`` avoids the sync)."""
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        bounds = [b * T for b in range(B + 1)]
+    else:
+        bounds = [int(x) for x in (cu_seqlens_cpu if cu_seqlens_cpu is not None
+                                   else cu_seqlens.cpu()).tolist()]
+    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    g_cumsum, A, o, h, final_state = segmented_fwd(
+        fwd, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
+        output_final_state=output_final_state, output_h=output_h, segment_len=segment_len)
+    return (g_cumsum.reshape(B, T, *g_cumsum.shape[2:]), A.reshape(B, T, *A.shape[2:]),
+            o.reshape(B, T, *o.shape[2:]),
+            None if h is None else h.reshape(B, -1, *h.shape[2:]), final_state)
