@@ -14,7 +14,7 @@ What lives here (and nowhere else):
   ``flash_qla`` is ours too.
 
 The parent processes never import torch: they plan, spawn workers and render reports.
-Shapes follow ``shared/docs/gdn-math.md``: q, k ``[B,T,Hk,K]``, v ``[B,T,Hv,V]``,
+Shapes follow ``docs/gdn-math.md``: q, k ``[B,T,Hk,K]``, v ``[B,T,Hv,V]``,
 g, beta ``[B,T,Hv]``, states ``[N,Hv,K,V]`` fp32, K = V = 128, chunk C = 64.
 """
 
@@ -925,6 +925,12 @@ def worker_main(spec_path: str) -> int:
     if spec["impl"] == "fla" or spec.get("task") == "probe":
         os.environ["FLA_CACHE_RESULTS"] = "0"  # autotune on this process' shape only
     task = {"probe": task_probe, "bench": task_bench, "profile": task_profile}[spec["task"]]
+    if spec.get("device") == "cpu":
+        import torch
+
+        # The CPU demo's tiny ops: extra intra-op threads only contend (the profiler
+        # showed ~100x inflated times with 2 threads on a 2-core machine).
+        torch.set_num_threads(1)
     try:
         res = task(spec)
     except Exception as e:  # noqa: BLE001 - a worker reports, the parent decides

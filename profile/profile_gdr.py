@@ -6,7 +6,7 @@ ours and FLA each run in a fresh worker process (shared code: ``benchmark/common
 warm up (compilation, autotuning), then ``--iters`` calls are profiled. Device time is
 grouped by kernel name, per call; totals and speedups follow, forward and (unless
 ``--skip-bwd``) backward, plus the achieved fraction of the H200 floor of our forward:
-floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) (``shared/docs/gdn-math.md``).
+floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) (``docs/gdn-math.md``).
 
 Writes ``profile/results/<set>-<GPU>.md`` (summary and per-kernel tables), ``.csv`` (one
 row per kernel) and ``.json``; prints the summary table last.

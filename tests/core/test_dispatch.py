@@ -164,9 +164,17 @@ def test_cpu_ignores_env_override(install, monkeypatch):
     assert spec.name == "torch"
 
 
-def test_cpu_refuses_a_cuda_backend_argument():
-    with pytest.raises(ValueError, match=r"backend 'sm90' runs on CUDA devices only"):
-        dispatch.get_kernels(torch.device("cpu"), **CALL, backend="sm90")
+def test_cpu_refuses_a_cuda_backend_argument(install):
+    install(HOPPER)
+    with pytest.raises(ValueError, match=r"backend 'fake90' runs on CUDA devices only"):
+        dispatch.get_kernels(torch.device("cpu"), **CALL, backend="fake90")
+
+
+def test_cpu_names_an_unknown_backend(install):
+    install(HOPPER)
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; installed: \['fake90', "
+                                         r"'torch'\]"):
+        dispatch.get_kernels(torch.device("cpu"), **CALL, backend="nope")
 
 
 # --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Delta Rule", ICLR 2025) keeps, per sequence and value head, a ``K x V`` state ``
     S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
     o_t = scale * S_t^T q_t
 
-and computes it chunk by chunk (``shared/docs/gdn-math.md`` has the chunked form and
+and computes it chunk by chunk (``docs/gdn-math.md`` has the chunked form and
 its backward). Shape vocabulary (see :mod:`flash_qla.backend`):
 
     B   batch size (1 when ``cu_seqlens`` is given)
@@ -234,7 +234,7 @@ def chunk_gated_delta_rule(
 
     Computes, per sequence and value head, ``S_t = exp(g_t) (I - beta_t k_t k_t^T)
     S_{t-1} + beta_t k_t v_t^T`` and ``o_t = scale * S_t^T q_t`` (Yang et al., Gated
-    Delta Networks, ICLR 2025; ``shared/docs/gdn-math.md``), chunk-parallel on the
+    Delta Networks, ICLR 2025; ``docs/gdn-math.md``), chunk-parallel on the
     selected backend. Differentiable in q, k, v, g, beta, initial_state (and A_log,
     dt_bias with the in-kernel gate).
 

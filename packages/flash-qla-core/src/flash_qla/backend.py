@@ -7,7 +7,7 @@ initialisation) and able to say, without loading any kernel, whether it can run 
 call. Kernels are loaded on first use through :meth:`BackendSpec.load`.
 
 Shape vocabulary (used by every docstring in the package, see
-``shared/docs/gdn-math.md``):
+``docs/gdn-math.md``):
 
     B   batch size (1 when ``cu_seqlens`` is given)
     T   tokens per batch row (packed tokens when ``cu_seqlens`` is given)

@@ -455,6 +455,9 @@ def get_kernels(device: torch.device, *, K: int, V: int, dtype: torch.dtype,
     dtype_name = _dtype_name(dtype)
     if device.type != "cuda":
         if backend is not None and backend != TORCH_BACKEND.name:
+            known = sorted(discover()[0])
+            if backend not in known:
+                raise ValueError(f"backend: unknown backend {backend!r}; installed: {known}")
             raise ValueError(f"backend {backend!r} runs on CUDA devices only; the tensors are "
                              f"on {device}: use backend='torch' or move them to a GPU")
         return TORCH_BACKEND, _load(TORCH_BACKEND, -1)

@@ -1,6 +1,6 @@
 """Reference math of Gated DeltaNet in plain PyTorch, and the ``torch`` backend.
 
-Everything here follows ``shared/docs/gdn-math.md`` (cited below as *gdn-math*) and
+Everything here follows ``docs/gdn-math.md`` (cited below as *gdn-math*) and
 uses the shape vocabulary of :mod:`flash_qla.backend` (B, T, Hk, Hv, K, V, N, C, NT).
 
 Three things live in this module:
