@@ -122,11 +122,16 @@ def _reverse_sweep(sw: _Sweep, plan: _Chunks, dS_final: Tensor) -> tuple[Tensor,
     order = sorted(range(len(counts)), key=lambda n: -counts[n])
     carry = dS_final[order].clone()                                      # [N,Hv,K,V]
     dS1 = torch.empty_like(sw.b)                                         # [NT,Hv,K,V]
-    device = sw.b.device
-    for j in range(max(counts, default=0)):
-        active = sum(1 for n in order if counts[n] > j)
-        idx = torch.tensor([plan.offsets[n] + counts[n] - 1 - j for n in order[:active]],
-                           dtype=torch.long, device=device)              # [a]
+    # chunk of every (step, active sequence), sent to the device in one copy
+    steps = [[plan.offsets[n] + counts[n] - 1 - j for n in order if counts[n] > j]
+             for j in range(max(counts, default=0))]
+    flat = torch.tensor([c for step in steps for c in step], dtype=torch.long)
+    flat = flat.to(sw.b.device)                                          # [sum of actives]
+    start = 0
+    for step in steps:
+        active = len(step)
+        idx = flat[start:start + active]                                 # [a]
+        start += active
         dS = carry[:active]                                              # [a,Hv,K,V]
         dS1[idx] = dS
         KdS = sw.D[idx][..., None] * (sw.k[idx] @ dS)                    # [a,Hv,C,V]

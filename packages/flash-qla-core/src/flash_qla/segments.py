@@ -87,10 +87,13 @@ def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
              else initial_state.to(L.dtype).clone())                    # [N,Hv,K,V]
     S_in = torch.empty_like(L)                                           # [Nseg,Hv,K,V]
     counts = [first[n + 1] - first[n] for n in range(N)]
-    for j in range(max(counts, default=0)):
-        seqs = [n for n in range(N) if counts[n] > j]
-        idx_n = torch.tensor(seqs, dtype=torch.long, device=L.device)
-        idx_s = torch.tensor([first[n] + j for n in seqs], dtype=torch.long, device=L.device)
+    steps = [[n for n in range(N) if counts[n] > j] for j in range(max(counts, default=0))]
+    pairs = torch.tensor([(n, first[n] + j) for j, seqs in enumerate(steps) for n in seqs],
+                         dtype=torch.long).reshape(-1, 2).to(L.device)  # one host->device copy
+    start = 0
+    for seqs in steps:
+        idx_n, idx_s = pairs[start:start + len(seqs)].unbind(1)         # [a], [a]
+        start += len(seqs)
         S_in[idx_s] = state[idx_n]
         state[idx_n] = M[idx_s] @ state[idx_n] + L[idx_s]               # [a,Hv,K,V]
     return S_in, state
