@@ -2,8 +2,11 @@
 
 One module per quantity computed: ``chunk_prepare`` (gate cumsum + gate-free inverse),
 ``chunk_fwd`` (the fused chunk recurrence); ``forward`` orchestrates them and
-``chunk_layout`` builds the per-call chunk index. ``kernel_cache`` seeds TileLang's
-cache with the kernels compiled at build time, so the first call does not compile.
+``chunk_layout`` builds the per-call chunk index. The backward recomputes the chunk-start
+states with ``chunk_fwd`` (``forward.chunk_states``) and hands them to the core's
+chunk-parallel PyTorch backward until TileLang backward kernels exist. ``kernel_cache``
+seeds TileLang's cache with the kernels compiled at build time, so the first call does
+not compile.
 """
 
 from __future__ import annotations
