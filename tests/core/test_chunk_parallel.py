@@ -48,3 +48,34 @@ def test_padding_gradients_are_exact_zeros(case):
     pad = slice(case.cu[-1], case.T)
     for name in ("dq", "dk", "dv", "dbeta", "dg"):
         assert torch.count_nonzero(grads[name][:, pad]) == 0, name
+
+
+@pytest.mark.parametrize("case", _params(ALL_CASES[::3]))
+def test_precomputed_state_gradients_replace_the_sweep(case, monkeypatch):
+    """A kernel's dS1/dh0 (here: the sweep's own, recorded) are used as given."""
+    from flash_qla import chunk_parallel
+
+    recorded = {}
+    sweep = chunk_parallel._reverse_sweep
+
+    def record(*args):
+        recorded["dS1"], recorded["dh0"] = sweep(*args)
+        return recorded["dS1"], recorded["dh0"]
+
+    monkeypatch.setattr(chunk_parallel, "_reverse_sweep", record)
+    first = parallel_backward(case)
+
+    def refuse(*args):
+        raise AssertionError("the sweep ran although dS1/dh0 were given")
+
+    monkeypatch.setattr(chunk_parallel, "_reverse_sweep", refuse)
+    x = make_inputs(case)
+    g_cumsum, A, _, h, _ = chunked_forward(case)
+    again = chunk_gated_delta_rule_bwd_parallel(
+        x.q, x.k, x.v, g_cumsum, x.beta, A, x.do, h, dht=x.dht, scale=case.resolved_scale,
+        initial_state=x.h0, cu_seqlens=x.cu, cu_seqlens_cpu=x.cu, **recorded)
+    for name, value in zip(GRADS, again):
+        if first[name] is None:
+            assert value is None
+        else:
+            assert torch.equal(value, first[name]), name

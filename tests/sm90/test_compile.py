@@ -52,4 +52,12 @@ def test_every_variant_is_listed_for_the_shipped_cache():
 
     names = {(builder.__name__ if hasattr(builder, "__name__") else str(builder), args)
              for builder, args in variants()}
-    assert len(names) == 10
+    assert len(names) == 14
+
+
+def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
+    from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
+
+    src = _source(chunk_bwd_dh_kernel, "bfloat16", 128, 128, True)
+    assert "wgmma" in src
+    assert "tma_load" in src

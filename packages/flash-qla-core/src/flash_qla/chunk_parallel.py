@@ -149,7 +149,9 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
                                         initial_state: Tensor | None,
                                         cu_seqlens: Tensor | None,
                                         cu_seqlens_cpu: Tensor | None,
-                                        chunk_size: int = 64):
+                                        chunk_size: int = 64,
+                                        dS1: Tensor | None = None,
+                                        dh0: Tensor | None = None):
     """The ``Kernels.bwd`` contract, given the chunk-start states ``h``.
 
     Args:
@@ -161,6 +163,9 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
         dht, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size: as
             ``Kernels.bwd``; ``cu_seqlens`` is read on the host (``cu_seqlens_cpu``
             avoids the sync).
+        dS1, dh0: the state gradient at each chunk's end ``[NT, Hv, K, V]`` and at each
+            sequence's start ``[N, Hv, K, V]`` when a kernel swept them already (both
+            or neither); otherwise the reverse sweep runs here.
 
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with the dtypes of
     :func:`flash_qla.reference.chunk_gated_delta_rule_bwd_torch`. Memory: fp32 buffers
@@ -189,11 +194,13 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
                 else dht.to(dtype))                                      # [N,Hv,K,V]
 
     per = max(1, SLICE_BYTES // (16 * Hv * C * max(C, K, V) * 4))
-    parts = [_sweep_terms(q_c[s], k_c[s], v_c[s], beta_c[s], gam_c[s], A_c[s], S0[s],
-                          do_c[s], scale) for s in _slices(NT, per)]
-    sweep = _Sweep(*(torch.cat([getattr(p, name) for p in parts])
-                     for name in _Sweep.__dataclass_fields__))
-    dS1, dh0 = _reverse_sweep(sweep, plan, dS_final)
+    if dS1 is None:
+        parts = [_sweep_terms(q_c[s], k_c[s], v_c[s], beta_c[s], gam_c[s], A_c[s], S0[s],
+                              do_c[s], scale) for s in _slices(NT, per)]
+        sweep = _Sweep(*(torch.cat([getattr(p, name) for p in parts])
+                         for name in _Sweep.__dataclass_fields__))
+        dS1, dh0 = _reverse_sweep(sweep, plan, dS_final)
+    dS1 = dS1.reshape(NT, Hv, K, V).to(dtype)                            # [NT,Hv,K,V]
 
     dq = q.new_zeros(B * T, Hv, K, dtype=dtype)                          # [B*T,Hv,K]
     dk, dv = torch.zeros_like(dq), q.new_zeros(B * T, Hv, V, dtype=dtype)
@@ -212,4 +219,5 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
 
     return (_reduce_heads(unflat(dq), Hk).to(q.dtype),
             _reduce_heads(unflat(dk), Hk).to(k.dtype), unflat(dv).to(v.dtype),
-            unflat(dbeta).to(beta.dtype), unflat(dg), dh0 if initial_state is not None else None)
+            unflat(dbeta).to(beta.dtype), unflat(dg),
+            dh0.to(dtype) if initial_state is not None else None)

@@ -2,11 +2,10 @@
 
 One module per quantity computed: ``chunk_prepare`` (gate cumsum + gate-free inverse),
 ``chunk_fwd`` (the fused chunk recurrence); ``forward`` orchestrates them and
-``chunk_layout`` builds the per-call chunk index. The backward recomputes the chunk-start
-states with ``chunk_fwd`` (``forward.chunk_states``) and hands them to the core's
-chunk-parallel PyTorch backward until TileLang backward kernels exist. ``kernel_cache``
-seeds TileLang's cache with the kernels compiled at build time, so the first call does
-not compile.
+``chunk_layout`` builds the per-call chunk index; ``chunk_bwd_dh`` (the reverse
+state-gradient sweep) and ``backward`` are the backward's (see there for the stages
+still in PyTorch). ``kernel_cache`` seeds TileLang's cache with the kernels compiled
+at build time, so the first call does not compile.
 """
 
 from __future__ import annotations
@@ -25,18 +24,11 @@ class Sm90Kernels:
 
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
             cu_seqlens_cpu):
-        # Until the TileLang backward lands (issue "SM90 backward kernels"): the fused
-        # forward kernel recomputes the chunk-start states, then the chunk-parallel
-        # PyTorch backward runs every chunk at once (only the dS sweep is serial).
-        from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
+        from .backward import chunk_bwd
 
-        from .forward import chunk_states
-
-        h = chunk_states(q, k, v, g_cumsum, beta, A, scale=scale, initial_state=initial_state,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-        return chunk_gated_delta_rule_bwd_parallel(
-            q, k, v, g_cumsum, beta, A, do, h, dht=dht, scale=scale,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return chunk_bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
+                         initial_state=initial_state, cu_seqlens=cu_seqlens,
+                         cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def load() -> Sm90Kernels:

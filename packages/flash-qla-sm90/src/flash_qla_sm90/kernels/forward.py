@@ -87,16 +87,3 @@ def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_
     return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             h.view(B, -1, Hv, K, V) if output_h else None,         # dense: [B, NT/B, ...]
             final_state if output_final_state else None)
-
-
-def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
-                 cu_seqlens_cpu):
-    """Chunk-start states h ``[NT, Hv, K, V]`` fp32 for the backward, from the forward's
-    saved g_cumsum and A (the fused kernel alone; o is recomputed and dropped)."""
-    layout = layout_for(q, cu_seqlens)
-    _, _, h = _fused(
-        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
-        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
-        initial_state=initial_state, alloc=torch.empty,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu))
-    return h

@@ -1,0 +1,60 @@
+"""Backward orchestrator of the Hopper backend (shapes: ``flash_qla.backend.Kernels.bwd``).
+
+1. ``chunk_fwd`` recomputes the chunk-start states h from the saved g_cumsum and A;
+2. the state gradient at every chunk end, dS1, comes from the reverse sweep: the
+   ``chunk_bwd_dh`` kernel when ``traits.BWD_DH_KERNEL`` is on, else the core's batched
+   PyTorch sweep;
+3. every per-chunk gradient runs chunk-parallel in PyTorch
+   (``flash_qla.chunk_parallel``), until TileLang kernels take that stage too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
+
+from .chunk_bwd_dh import chunk_bwd_dh_kernel
+from .forward import _DTYPE_NAMES, _fused, _packed, layout_for, total_chunks
+from .traits import BWD_DH_KERNEL
+
+
+def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
+                 cu_seqlens_cpu):
+    """Chunk-start states h ``[NT, Hv, K, V]`` fp32 from the forward's saved g_cumsum and
+    A (the fused kernel alone; o is recomputed and dropped)."""
+    layout = layout_for(q, cu_seqlens)
+    _, _, h = _fused(
+        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
+        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
+        initial_state=initial_state, alloc=torch.empty,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu))
+    return h
+
+
+def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu):
+    """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32."""
+    K, (Hv, V) = q.shape[-1], do.shape[2:]
+    layout = layout_for(q, cu_seqlens)
+    dS1 = torch.empty(total_chunks(layout, cu_seqlens_cpu), Hv, K, V, dtype=torch.float32,
+                      device=q.device)
+    dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
+    has_dht = dht is not None
+    chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht)(
+        _packed(q), _packed(k), _packed(do), _packed(g_cumsum, torch.float32),
+        _packed(beta, torch.float32), _packed(A), layout.cu_seqlens, layout.chunk_offsets,
+        dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0)
+    return dS1, dh0
+
+
+def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
+              cu_seqlens_cpu, use_dh_kernel: bool = BWD_DH_KERNEL):
+    """Backward; returns (dq, dk, dv, dbeta, dg, dh0) (see Kernels.bwd)."""
+    common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, **common)
+    dS1 = dh0 = None
+    if use_dh_kernel:
+        dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
+    return chunk_gated_delta_rule_bwd_parallel(
+        q, k, v, g_cumsum, beta, A, do, h, dht=dht, initial_state=initial_state,
+        dS1=dS1, dh0=dh0, **common)
