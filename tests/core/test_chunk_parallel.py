@@ -79,3 +79,20 @@ def test_precomputed_state_gradients_replace_the_sweep(case, monkeypatch):
             assert value is None
         else:
             assert torch.equal(value, first[name]), name
+
+
+def test_a_batch_without_tokens():
+    """cu_seqlens = [0, 0]: no chunk at all; zero gradients, dh0 = dht."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 1, 5, 1, 8, generator=gen, dtype=torch.float64)
+    v, do = torch.randn(2, 1, 5, 2, 8, generator=gen, dtype=torch.float64)
+    g, beta = torch.zeros(1, 5, 2, dtype=torch.float64), torch.rand(1, 5, 2, dtype=torch.float64)
+    A = torch.zeros(1, 5, 2, 64, dtype=torch.float64)
+    h0, dht = torch.randn(2, 1, 2, 8, 8, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, 0])
+    dq, dk, dv, dbeta, dg, dh0 = chunk_gated_delta_rule_bwd_parallel(
+        q, k, v, g, beta, A, do, torch.zeros(0, 2, 8, 8, dtype=torch.float64), dht=dht,
+        scale=0.3, initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    for grad in (dq, dk, dv, dbeta, dg):
+        assert torch.count_nonzero(grad) == 0
+    assert torch.equal(dh0, dht)

@@ -63,3 +63,12 @@ def test_segment_bounds_keep_empty_sequences_empty():
     seg, first = segments.segment_bounds([0, 0, 130, 130], 64)
     assert seg == [0, 64, 128, 130]
     assert first == [0, 0, 3, 3]
+
+
+def test_a_batch_without_tokens_is_not_split():
+    q, k, v, g, beta, s0, _ = _inputs([0], 1, 4, 1, 2, True, "typical")
+    out = segments.segmented_fwd(TORCH_KERNELS.fwd, q, k, v, g, beta, scale=0.3,
+                                 initial_state=s0, bounds=[0, 0], output_final_state=True,
+                                 output_h=False, segment_len=64)
+    assert torch.count_nonzero(out[2]) == 0          # o: every token is padding
+    assert torch.equal(out[4], s0)

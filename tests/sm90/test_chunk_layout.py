@@ -35,3 +35,12 @@ def test_dense_layout_is_b_sequences_of_t():
     assert layout.num_chunks == 6
     assert layout.chunk_idx[:6].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]]
     assert dense_layout(3, 100, torch.device("cpu")) is layout
+
+
+def test_uncached_builders_exist_for_graph_capture():
+    """forward.layout_for uses them while a CUDA graph is being captured."""
+    cu = torch.tensor([0, 5, 70], dtype=torch.int32)
+    fresh = varlen_layout.__wrapped__(cu, 70)
+    assert fresh is not varlen_layout.__wrapped__(cu, 70)
+    assert torch.equal(fresh.chunk_idx, varlen_layout(cu, 70).chunk_idx)
+    assert dense_layout.__wrapped__(2, 64, torch.device("cpu")).num_chunks == 2

@@ -352,7 +352,9 @@ def chunk_gated_delta_rule_fwd(
     * A ``[B, T, Hv, C]`` in q's dtype: per chunk the gate-free inverse
       ``(I + strictly_lower(diag(beta) K K^T))^-1``, row i of the chunk at token i.
     * o ``[B, T, Hv, V]`` in q's dtype.
-    * h ``[B, NT, Hv, K, V]`` chunk-start states when ``output_h``, else None.
+    * h ``[B, NT_b, Hv, K, V]`` chunk-start states when ``output_h``, else None (dense:
+      NT_b = ceil(T / C) chunks per batch row; varlen: B = 1 and NT_b = all chunks of all
+      sequences, in order).
     * final_state ``[N, Hv, K, V]`` fp32 when ``output_final_state``, else None.
     """
     validation.check_bool("output_final_state", output_final_state)

@@ -46,7 +46,8 @@ class Kernels(Protocol):
         backend plan without a host sync).
         Returns g_cumsum fp32 ``[B,T,Hv]`` (chunk-local cumsum of g), A ``[B,T,Hv,C]``
         in q's dtype (the gate-free inverse), o ``[B,T,Hv,V]`` in q's dtype,
-        h ``[B,NT,Hv,K,V]`` (chunk-start states) or None, final_state
+        h ``[B,NT_b,Hv,K,V]`` (chunk-start states; dense: NT_b = ceil(T/C) chunks per
+        batch row; varlen: B = 1 and NT_b = all chunks of all sequences) or None, final_state
         ``[N,Hv,K,V]`` fp32 or None.
         """
 

@@ -168,9 +168,11 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
             or neither); otherwise the reverse sweep runs here.
 
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with the dtypes of
-    :func:`flash_qla.reference.chunk_gated_delta_rule_bwd_torch`. Memory: fp32 buffers
-    of ``[NT, Hv, K, V]`` (b and dS1) besides h, plus at most ``SLICE_BYTES`` of
-    per-chunk intermediates.
+    :func:`flash_qla.reference.chunk_gated_delta_rule_bwd_torch`. Memory (fp32, an
+    interim path): head-major copies of q, k, v, dO and A per chunk and the sweep terms
+    (k, E k, Ag, b, dS1) for all chunks at once, about 6 KB per token and value head
+    (~3 GB at 32k tokens x 16 heads), plus at most ``SLICE_BYTES`` of per-slice
+    intermediates.
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
@@ -194,7 +196,9 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
                 else dht.to(dtype))                                      # [N,Hv,K,V]
 
     per = max(1, SLICE_BYTES // (16 * Hv * C * max(C, K, V) * 4))
-    if dS1 is None:
+    if NT == 0:                                   # no sequence holds a token
+        dS1, dh0 = S0, dS_final
+    elif dS1 is None:
         parts = [_sweep_terms(q_c[s], k_c[s], v_c[s], beta_c[s], gam_c[s], A_c[s], S0[s],
                               do_c[s], scale) for s in _slices(NT, per)]
         sweep = _Sweep(*(torch.cat([getattr(p, name) for p in parts])

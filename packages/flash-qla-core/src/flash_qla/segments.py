@@ -62,7 +62,7 @@ def _identity_columns(n: int, Hv: int, K: int, V: int, start: int, like: Tensor)
     return eye.expand(n, Hv, K, V).contiguous()
 
 
-def _transitions(fwd, q, k, v, g, beta, cu, scale) -> Tensor:
+def _transitions(fwd, q, k, v, g, beta, cu, cu_cpu, scale) -> Tensor:
     """``M_seg`` of every segment ``[Nseg, Hv, K, K]`` (pass 2)."""
     n_seg, Hv, K, V = cu.numel() - 1, v.shape[2], q.shape[-1], v.shape[-1]
     zero_v = torch.zeros_like(v)
@@ -70,7 +70,7 @@ def _transitions(fwd, q, k, v, g, beta, cu, scale) -> Tensor:
     for start in range(0, K, V):
         h0 = _identity_columns(n_seg, Hv, K, V, start, q)
         cols.append(fwd(q, k, zero_v, g, beta, scale=scale, initial_state=h0, cu_seqlens=cu,
-                        cu_seqlens_cpu=cu.cpu(), output_final_state=True,
+                        cu_seqlens_cpu=cu_cpu, output_final_state=True,
                         output_h=False)[4])                             # [Nseg,Hv,K,V]
     return torch.cat(cols, dim=-1)[..., :K]                              # [Nseg,Hv,K,K]
 
@@ -110,12 +110,17 @@ def segmented_fwd(fwd, q, k, v, g, beta, *, scale: float, initial_state: Tensor 
     size. Returns ``(g_cumsum, A, o, h, final_state)`` as the unsplit ``fwd`` would.
     """
     seg, first = segment_bounds(bounds, segment_len)
+    if len(seg) == 1:                              # no sequence holds a token: no split
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        return fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                   cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu,
+                   output_final_state=output_final_state, output_h=output_h)
     cu = torch.tensor(seg, dtype=torch.int32, device=q.device)           # [Nseg+1]
     cu_cpu = torch.tensor(seg, dtype=torch.int32)
     common = dict(scale=scale, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     L = fwd(q, k, v, g, beta, initial_state=None, output_final_state=True, output_h=False,
             **common)[4]                                                 # [Nseg,Hv,K,V]
-    M = _transitions(fwd, q, k, v, g, beta, cu, scale)                   # [Nseg,Hv,K,K]
+    M = _transitions(fwd, q, k, v, g, beta, cu, cu_cpu, scale)           # [Nseg,Hv,K,K]
     S_in, final_state = _scan(M, L, first, initial_state)
     g_cumsum, A, o, h, _ = fwd(q, k, v, g, beta, initial_state=S_in.contiguous(),
                                output_final_state=False, output_h=output_h, **common)
@@ -126,7 +131,8 @@ def fwd_with_segments(fwd, q, k, v, g, beta, *, scale, initial_state, cu_seqlens
                       cu_seqlens_cpu, output_final_state, output_h, segment_len: int):
     """``Kernels.fwd`` (same arguments and returns) made segment-parallel; dense
     ``[B, T]`` inputs are run as B packed sequences. Reads ``cu_seqlens`` on the host
-    (``cu_seqlens_cpu`` avoids the sync)."""
+    (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host, so this
+    path cannot be captured in a CUDA graph."""
     B, T = q.shape[:2]
     if cu_seqlens is None:
         bounds = [b * T for b in range(B + 1)]

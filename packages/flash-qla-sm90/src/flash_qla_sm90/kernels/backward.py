@@ -14,9 +14,9 @@ import torch
 
 from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
 
+from . import traits
 from .chunk_bwd_dh import chunk_bwd_dh_kernel
 from .forward import _DTYPE_NAMES, _fused, _packed, layout_for, total_chunks
-from .traits import BWD_DH_KERNEL
 
 
 def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
@@ -48,8 +48,11 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
 
 
 def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
-              cu_seqlens_cpu, use_dh_kernel: bool = BWD_DH_KERNEL):
-    """Backward; returns (dq, dk, dv, dbeta, dg, dh0) (see Kernels.bwd)."""
+              cu_seqlens_cpu, use_dh_kernel: bool | None = None):
+    """Backward; returns (dq, dk, dv, dbeta, dg, dh0) (see Kernels.bwd).
+    ``use_dh_kernel`` None follows ``traits.BWD_DH_KERNEL`` (read at every call)."""
+    if use_dh_kernel is None:
+        use_dh_kernel = traits.BWD_DH_KERNEL
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, **common)
     dS1 = dh0 = None

@@ -4,7 +4,8 @@ Every kernel works on the packed token layout ``[Tt, H, D]`` (dense ``[B, T]`` i
 B sequences of length T). A chunk never straddles two sequences, so the chunk list
 depends on ``cu_seqlens``. Its length is only known on the device; the grids use the
 upper bound ``ceil(Tt / C) + N`` and mark the unused rows with -1, which keeps the
-path free of host syncs and safe under CUDA-graph capture.
+path free of host syncs; under CUDA-graph capture the caches below are bypassed
+(``forward.layout_for``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,14 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
+    """The call's chunk layout; cached in eager mode, rebuilt inside a CUDA-graph capture
+    (the graph then recomputes it from the live ``cu_seqlens`` at every replay, and no
+    cache entry points into the graph's memory)."""
     B, T = q.shape[:2]
-    if cu_seqlens is None:
-        return dense_layout(B, T, q.device)
-    return varlen_layout(cu_seqlens, B * T)
+    dense, varlen = dense_layout, varlen_layout
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        dense, varlen = dense.__wrapped__, varlen.__wrapped__        # uncached builders
+    return dense(B, T, q.device) if cu_seqlens is None else varlen(cu_seqlens, B * T)
 
 
 def _packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
