@@ -385,6 +385,20 @@ def test_bad_segment_arguments(kwargs, error, match):
         run_api(make_inputs(VARLEN), VARLEN, **kwargs)
 
 
+def test_positional_order_of_fla_and_flashqla():
+    """Both call it as (q, k, v, g, beta, scale, initial_state, output_final_state,
+    use_qk_l2norm_in_kernel, cu_seqlens); everything after is keyword-only here."""
+    x = make_inputs(VARLEN)
+    positional = flash_qla.chunk_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, x["initial_state"], True, True,
+        cu_tensor(VARLEN))
+    keywords = flash_qla.chunk_gated_delta_rule(
+        **x, scale=0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_tensor(VARLEN))
+    assert torch.equal(positional[0], keywords[0])
+    assert torch.equal(positional[1], keywords[1])
+
+
 def test_unknown_keyword_is_a_type_error():
     inputs = make_inputs(VARLEN)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'use_cache'"):
