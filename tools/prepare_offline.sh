@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 grep -qx '/.offline-gpu/' .git/info/exclude 2>/dev/null || echo /.offline-gpu/ >> .git/info/exclude
 FLASHQLA_PEER=1 ../shared/offline-gpu/make-bundle .offline-gpu --no-flashinfer
+python3 -m pip install -q torch==2.13.0 tilelang==0.1.15   # the compiler, CPU side
 TILELANG_PRINT_ON_COMPILATION=0 \
   PYTHONPATH=packages/flash-qla-sm90/src:packages/flash-qla-core/src \
   python3 -m flash_qla_sm90.kernels.kernel_cache .offline-gpu/tilelang-cache
