@@ -386,6 +386,12 @@ class Impl:
         return [args[n] for n in ("q", "k", "v", "g", "beta", "h0")]
 
 
+def _fla_style_call(fn, a: dict, **extra):
+    """``fn`` called with FLA's keywords on the arguments of :func:`_fla_style_args`."""
+    return fn(**a["views"](a), initial_state=a["h0"], output_final_state=True,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=a["cu"], **extra)
+
+
 def _fla_style_args(inp: dict, ctx: dict, requires_grad: bool, cu_dtype) -> dict:
     """q..h0 in FLA's layout; dense ``[B,T]`` view for ``--dense-batch`` uniform layouts,
     else packed ``[1,T]`` with cu_seqlens (none for one sequence)."""
@@ -450,15 +456,7 @@ class Ours(Impl):
         kw = {"backend": self.backend} if self.backend else {}
         if self.segment_len:
             kw["segment_len"] = self.segment_len
-        return self.fn(
-            **a["views"](a),
-            initial_state=a["h0"],
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=False,
-            cu_seqlens=a["cu"],
-            cu_seqlens_cpu=a["cu_cpu"],
-            **kw,
-        )
+        return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"], **kw)
 
 
 class FLA(Impl):
@@ -477,14 +475,7 @@ class FLA(Impl):
         return _fla_style_args(inp, ctx, requires_grad, torch.int64)
 
     def call(self, a):
-        return self.fn(
-            **a["views"](a),
-            initial_state=a["h0"],
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=False,
-            cu_seqlens=a["cu"],
-            cu_seqlens_cpu=a["cu_cpu"],
-        )
+        return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"])
 
 
 class FlashInfer(Impl):
@@ -557,13 +548,7 @@ class FlashQLA013(Impl):
         return _fla_style_args(inp, ctx, requires_grad, torch.int32)
 
     def call(self, a):
-        return self.fn(
-            **a["views"](a),
-            initial_state=a["h0"],
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=False,
-            cu_seqlens=a["cu"],
-        )
+        return _fla_style_call(self.fn, a)
 
 
 IMPLS = {"ours": Ours, "fla": FLA, "flashinfer": FlashInfer, "flashqla": FlashQLA013}
