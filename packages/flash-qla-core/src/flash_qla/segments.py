@@ -133,12 +133,11 @@ def fwd_with_segments(fwd, q, k, v, g, beta, *, scale, initial_state, cu_seqlens
     ``[B, T]`` inputs are run as B packed sequences. Reads ``cu_seqlens`` on the host
     (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host, so this
     path cannot be captured in a CUDA graph."""
+    from .reference import _sequence_bounds  # lazily: `import flash_qla` stays light
+
     B, T = q.shape[:2]
-    if cu_seqlens is None:
-        bounds = [b * T for b in range(B + 1)]
-    else:
-        bounds = [int(x) for x in (cu_seqlens_cpu if cu_seqlens_cpu is not None
-                                   else cu_seqlens.cpu()).tolist()]
+    bounds = (_sequence_bounds(cu_seqlens, cu_seqlens_cpu) if cu_seqlens is not None
+              else [b * T for b in range(B + 1)])
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     g_cumsum, A, o, h, final_state = segmented_fwd(
         fwd, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
