@@ -1,38 +1,44 @@
 #!/usr/bin/env bash
-# One device call (fits the 10-minute limit): gpu tests, the chunk_bwd_dh check in its own
-# process (a fault there must not take the other tests down), a per-kernel profile of ours
-# (forward and backward) and segment-parallel forward timings. Results under $OUT.
-# usage (on the lent H200, from the repo root, .offline-gpu carried):
-#   bash tools/h200_session.sh                 # everything
-#   STAGES="tests profile" bash tools/h200_session.sh
+# One device call (fits the 10-minute limit). Stages, chosen with STAGES="...":
+#   tests     pytest -m gpu (forward, backward, segments; chunk_bwd_dh check isolated)
+#   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
+#   bwd       forward+backward timings of ours (bench --mode bwd)
+#   profile   per-kernel profile of ours, develop set
+#   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes ~60 s per shape)
+# Results: one archive $OUT/results.tar.xz (the device returns at most 8 files); tables
+# printed last. Usage (on the lent H200, repo root, .offline-gpu carried):
+#   STAGES="tests tune" bash tools/h200_session.sh
 set -uo pipefail
 source .offline-gpu/activate.sh .offline-gpu
 export TILELANG_PRINT_ON_COMPILATION=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=${STAGES:-"tests dh profile segments"}
+OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
+STAGES=${STAGES:-"tests tune bwd"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=8"
+PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs"
 if has tests; then
-  timeout 300 $PT tests -m gpu --deselect \
-    tests/sm90/test_backward_gpu.py::test_dh_kernel_matches_torch_sweep \
-    > "$OUT/gpu-tests.txt" 2>&1
-  tail -25 "$OUT/gpu-tests.txt"
+  timeout 240 $PT tests -m gpu --deselect \
+    tests/sm90/test_backward_gpu.py::test_dh_kernel_matches_torch_sweep > "$R/gpu-tests.txt" 2>&1
+  timeout 60 $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$R/gpu-dh.txt" 2>&1
 fi
-if has dh; then
-  timeout 90 $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$OUT/gpu-dh.txt" 2>&1
-  tail -8 "$OUT/gpu-dh.txt"
+if has tune; then
+  timeout 150 python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
+fi
+if has bwd; then
+  timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
+    --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" > "$R/bwd.txt" 2>&1
 fi
 if has profile; then
-  timeout 150 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
-    --out "$OUT" > "$OUT/profile.txt" 2>&1
-  tail -30 "$OUT/profile.txt"
+  timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
+    --shapes "${PROFILE_SHAPES:-16/16@*}" --out "$R" > "$R/profile.txt" 2>&1
 fi
-if has segments; then
-  B="python3 benchmark/bench_gated_delta_rule.py --mode fwd --out $OUT --peers none --no-graphs"
-  for S in 0 1024 4096; do
-    SEG=(); TAG=(--tag H200-unsplit); [ "$S" != 0 ] && SEG=(--ours-segment-len "$S") && TAG=(--tag "H200-seg$S")
-    timeout 80 $B "${SEG[@]}" "${TAG[@]}" --deadline-s 60 \
-      --shapes '2/8@1x32768,4/16@1x32768,16/16@1x32768' 2>&1 | grep "^|" | tail -4
-  done
+if has fla; then
+  timeout 200 $B --mode fwd --peers fla --tag H200-fla --deadline-s 170 \
+    --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
+tar cJf "$OUT/results.tar.xz" -C "$R" .
+for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
+[ -f "$R/gpu-tests.txt" ] && grep -E "^FAILED|^ERROR" "$R/gpu-tests.txt" | head -20
+for f in bwd profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done
+[ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"

@@ -14,6 +14,13 @@ computes (gdn-math.md, "Chunked form"; rows i, j of the chunk, gam = chunk cumsu
 Only o, the final state and (on request) the chunk-start states h reach global memory.
 Every exponent is <= 0 and evaluated as exp2 of log2-scaled gates. Rows past the end of
 the sequence are masked: they read the last valid gam, get beta = 0, and are not stored.
+
+Schedule (v2). The S chain of a chunk is S0 -> KS -> X -> U -> S1; everything else
+hangs off it. GEMMs are issued asynchronously (``T.wgmma_gemm``) where their result is
+read later: K S0 and Q K^T run on the tensor cores while the consumer builds Ag, U = Ag X
+while it builds P, and P U beside K^T (D U). The per-row factors
+exp(gam), exp(gam_C - gam) are computed once per chunk (64 exp2, not one per element),
+and the next chunk's gates are loaded into registers while this chunk computes.
 """
 
 import math
@@ -27,7 +34,9 @@ LOG2E = math.log2(math.e)
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool):
+def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
+                     block_v: int = BLOCK_V, threads: int = FWD_THREADS,
+                     stages: int = FWD_STAGES):
     """Build the fused forward for one static configuration.
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences):
@@ -43,8 +52,11 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
         o               [Tt, Hv, V]     dtype out (rows of every sequence)
         final_state     [N, Hv, K, V]   fp32 out
         h               [NTh, Hv, K, V] fp32 out, chunk-start states (written if store_h)
+
+    ``block_v``, ``threads`` (consumer threads) and ``stages`` default to ``traits``;
+    other values exist for tuning (``benchmark/tune_chunk_fwd.py``).
     """
-    C, BV = CHUNK, BLOCK_V
+    C, BV = CHUNK, block_v
     Tt, Hk, Hv, N, N1, NTh = T.dynamic("Tt, Hk, Hv, N, N1, NTh")
     f32 = "float32"
 
@@ -64,15 +76,20 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
         final_state: T.Tensor((N, Hv, K, V), f32),
         h_out: T.Tensor((NTh, Hv, K, V), f32),
     ):
-        with T.Kernel(N * Hv, V // BV, threads=FWD_THREADS) as (bx, by):
+        with T.Kernel(N * Hv, V // BV, threads=threads) as (bx, by):
             q_shared = T.alloc_shared((C, K), dtype)
             k_shared = T.alloc_shared((C, K), dtype)
             v_shared = T.alloc_shared((C, BV), dtype)
             a_shared = T.alloc_shared((C, C), dtype)
-            gam_shared = T.alloc_shared((C,), f32)            # log2-scaled chunk cumsum
+            # per-row gate factors of the current chunk (log2-scaled gam):
+            gam_shared = T.alloc_shared((C,), f32)            # gam_i
+            eg_shared = T.alloc_shared((C,), f32)             # exp(gam_i)
+            ed_shared = T.alloc_shared((C,), f32)             # exp(gam_C - gam_i)
             beta_shared = T.alloc_shared((C,), f32)
-            gam_frag = T.alloc_fragment((C,), f32)
-            beta_frag = T.alloc_fragment((C,), f32)
+            # the next chunk's gates, in flight in registers
+            g_next = T.alloc_fragment((C,), f32)
+            glast_next = T.alloc_fragment((C,), f32)
+            beta_next = T.alloc_fragment((C,), f32)
             s_frag = T.alloc_fragment((K, BV), f32)           # the state S, fp32
             s_shared = T.alloc_shared((K, BV), dtype)         # S as a GEMM operand
             ks_frag = T.alloc_fragment((C, BV), f32)
@@ -94,13 +111,21 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
             v0 = by * BV
             bos = T.alloc_var("int32", init=cu_seqlens[n])
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
+            last = T.alloc_var("int32", init=bos + seq_len - 1)   # last token (if any)
 
             if has_initial_state:
                 T.copy(initial_state[n, h, :, v0:v0 + BV], s_frag)
             else:
                 T.clear(s_frag)
+            # gates of chunk 0 (rows past the end repeat the last valid gam, beta = 0)
+            for i in T.Parallel(C):
+                g_next[i] = T.if_then_else(
+                    seq_len > 0, g_cumsum[T.min(bos + i, last), h], 0.0)
+                glast_next[i] = T.if_then_else(
+                    seq_len > 0, g_cumsum[T.min(bos + C - 1, last), h], 0.0)
+                beta_next[i] = T.if_then_else(i < seq_len, beta[bos + i, h], 0.0)
 
-            for c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=FWD_STAGES):
+            for c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=stages):
                 t0 = bos + c * C
                 rows = T.min(seq_len - c * C, C)             # valid rows of this chunk
                 T.copy(q[t0:t0 + C, hk, :], q_shared)
@@ -111,45 +136,54 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
                 # global -> shared copy would join the producer's stage ring and be
                 # released (and overwritten) with q, while it is still being read.
                 for i in T.Parallel(C):
-                    # missing tail rows repeat the last valid gam and write nothing
-                    gam_frag[i] = g_cumsum[t0 + T.min(i, rows - 1), h] * LOG2E
-                    beta_frag[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
+                    gam_shared[i] = g_next[i] * LOG2E
+                    eg_shared[i] = T.exp2(g_next[i] * LOG2E)
+                    ed_shared[i] = T.exp2((glast_next[i] - g_next[i]) * LOG2E)
+                    beta_shared[i] = beta_next[i]
+                # prefetch chunk c + 1 (clamped to this sequence; unused after the last)
                 for i in T.Parallel(C):
-                    gam_shared[i] = gam_frag[i]
-                    beta_shared[i] = beta_frag[i]
+                    g_next[i] = g_cumsum[T.min(t0 + C + i, last), h]
+                    glast_next[i] = g_cumsum[T.min(t0 + 2 * C - 1, last), h]
+                    beta_next[i] = T.if_then_else(t0 + C + i <= last, beta[t0 + C + i, h], 0.0)
 
                 if store_h:
                     T.copy(s_frag, h_out[chunk_offsets[n] + c, h, :, v0:v0 + BV])
                 T.copy(s_frag, s_shared)
-                T.gemm(k_shared, s_shared, ks_frag, clear_accum=True)                  # K S0
-                T.gemm(q_shared, s_shared, o_frag, clear_accum=True)                   # Q S0
-                T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
-
-                for i, j in T.Parallel(C, BV):
-                    x_shared[i, j] = v_shared[i, j] - T.exp2(gam_shared[i]) * ks_frag[i, j]
+                # A TMA stage is handed back to the producer right after its buffer's
+                # last GEMM is issued, so each buffer's last GEMM is a synchronous one
+                # (q: Q S0, k: K^T D U); the others run asynchronously beside the
+                # element-wise work.
+                T.wgmma_gemm(k_shared, s_shared, ks_frag, clear_accum=True)              # K S0
+                T.wgmma_gemm(q_shared, k_shared, qk_frag, transpose_B=True,
+                             clear_accum=True)                                            # Q K^T
+                # off the S chain, while the GEMMs run: Ag = (G * A) diag(beta)
                 for i, j in T.Parallel(C, C):
-                    live = (i >= j) & (i < rows)
-                    decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
                     ag_shared[i, j] = T.if_then_else(
-                        live, a_shared[i, j] * decay * beta_shared[j], 0.0)
-                    p_shared[i, j] = T.if_then_else(live, qk_frag[i, j] * decay, 0.0)
-                T.gemm(ag_shared, x_shared, u_frag, clear_accum=True)                  # U = Ag X
-                T.copy(u_frag, u_shared)
-
+                        (i >= j) & (i < rows),
+                        a_shared[i, j] * T.exp2(gam_shared[i] - gam_shared[j]) * beta_shared[j],
+                        0.0)
+                T.gemm(q_shared, s_shared, o_frag, clear_accum=True)                     # Q S0
                 for i, j in T.Parallel(C, BV):
-                    o_frag[i, j] = o_frag[i, j] * T.exp2(gam_shared[i])
-                T.gemm(p_shared, u_shared, o_frag)                                     # + P U
+                    x_shared[i, j] = v_shared[i, j] - eg_shared[i] * ks_frag[i, j]
+                T.wgmma_gemm(ag_shared, x_shared, u_frag, clear_accum=True)              # U = Ag X
+                for i, j in T.Parallel(C, C):
+                    p_shared[i, j] = T.if_then_else(
+                        (i >= j) & (i < rows),
+                        qk_frag[i, j] * T.exp2(gam_shared[i] - gam_shared[j]), 0.0)
+                T.wait_wgmma(0)                                                           # U
+                for i, j in T.Parallel(C, BV):
+                    u_shared[i, j] = u_frag[i, j]
+                    du_shared[i, j] = ed_shared[i] * u_frag[i, j]
+                    o_frag[i, j] = o_frag[i, j] * eg_shared[i]
+                for i, j in T.Parallel(K, BV):
+                    s_frag[i, j] = s_frag[i, j] * eg_shared[C - 1]
+                T.wgmma_gemm(p_shared, u_shared, o_frag)                                  # + P U
+                T.gemm(k_shared, du_shared, s_frag, transpose_A=True)                    # + K^T D U
                 for i, j in T.Parallel(C, BV):
                     o_shared[i, j] = o_frag[i, j] * scale
                 for i, j in T.Parallel(C, BV):
                     if i < rows:
                         o[t0 + i, h, v0 + j] = o_shared[i, j]
-
-                for i, j in T.Parallel(C, BV):
-                    du_shared[i, j] = T.exp2(gam_shared[C - 1] - gam_shared[i]) * u_frag[i, j]
-                for i, j in T.Parallel(K, BV):
-                    s_frag[i, j] = s_frag[i, j] * T.exp2(gam_shared[C - 1])
-                T.gemm(k_shared, du_shared, s_frag, transpose_A=True)                  # + K^T D U
 
             T.copy(s_frag, final_state[n, h, :, v0:v0 + BV])
 

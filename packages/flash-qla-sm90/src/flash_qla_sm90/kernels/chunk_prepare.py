@@ -7,9 +7,10 @@ For each chunk (rows i, j in [0, C)) and value head (gdn-math.md, "Chunked form"
     A   = (I + N)^-1                                  # [C, C] unit lower-triangular
 
 A depends only on k and beta, so no exponent of the gate enters it. The inverse is a
-forward substitution done in fp32: thread j owns column j of A and walks the rows,
-``A[i, j] = delta_ij - sum_{m<i} N[i, m] A[m, j]``; N lives in shared memory and is read
-by broadcast, so the sweep needs no barrier. Rows past the end of a sequence act as
+forward substitution done in fp32: thread j owns column j of A,
+``A[i, j] = delta_ij - sum_{m<i} N[i, m] A[m, j]``, evaluated right-looking (row m,
+once final, is subtracted from all later rows) so the dependent chain is C steps; N
+lives in shared memory and is read by broadcast, so the sweep needs no barrier. Rows past the end of a sequence act as
 k = beta = 0 and are not written.
 """
 
@@ -84,12 +85,15 @@ def chunk_prepare_kernel(dtype: str, K: int):
                             acc[0] += g_shared[m]
                     if tx < rows:
                         g_cumsum[t0 + tx, h] = acc[0]
-                    # forward substitution for column tx of A
+                    # forward substitution for column tx of A, right-looking: once
+                    # a_col[m] is final it is pushed into every later row, so the
+                    # dependent chain is C steps long (each with C - 1 - m independent
+                    # FMAs) instead of the C (C - 1) / 2 of a row-by-row dot product.
                     for i in T.unroll(C):
-                        acc[0] = T.if_then_else(i == tx, 1.0, 0.0)
-                        for m in T.unroll(i):
-                            acc[0] -= n_shared[i, m] * a_col[m]
-                        a_col[i] = acc[0]
+                        a_col[i] = T.if_then_else(i == tx, 1.0, 0.0)
+                    for m in T.unroll(C - 1):
+                        for r in T.unroll(C - 1 - m):
+                            a_col[m + 1 + r] -= n_shared[m + 1 + r, m] * a_col[m]
                     for i in T.unroll(C):
                         if i < rows:
                             A[t0 + i, h, tx] = T.cast(a_col[i], dtype)

@@ -49,12 +49,13 @@ def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
-           num_chunks: int | None, alloc):
+           num_chunks: int | None, alloc, tiling: tuple = ()):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
-    ``[NT, Hv, K, V]`` fp32. Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
+    ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads, stages)`` overriding
+    ``traits`` (tuning). Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
     Hv, V = v.shape[1:]
@@ -64,7 +65,7 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
-    chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)(
+    chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
         h0, float(scale), o, final_state, h)
     return o, final_state, (h if store_h else None)

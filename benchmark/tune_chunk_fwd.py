@@ -1,0 +1,134 @@
+"""Tune the Hopper forward kernels: time ``chunk_prepare`` and each ``chunk_fwd`` tiling.
+
+For every shape (``HK/HV@LAYOUT``, as in ``bench_gated_delta_rule.py``) the script runs the
+prepare kernel once, then every fused-kernel tiling ``BLOCK_VxTHREADS[xSTAGES]`` on the
+same inputs. Each tiling's o and final state are checked against the torch backend (fp32
+chunked reference) before its time is reported: a wrong kernel shows as a large error
+next to its time. Times are CUDA-event medians (``triton.testing.do_bench``).
+
+    python benchmark/tune_chunk_fwd.py --tilings 64x256,32x256 --shapes '16/64@1x32768'
+    python benchmark/tune_chunk_fwd.py --compile-only --cache-dir .offline-gpu/tilelang-cache
+
+``--compile-only`` builds every tiling for sm_90a without a GPU (TileLang's cache), so the
+device's minutes go to running. Prints one table (ms and error per shape x tiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+DEFAULT_TILINGS = "64x256,32x256,32x128"
+DEFAULT_SHAPES = "16/64@1x32768,16/32@8x4096,16/16@4x8192,2/8@1x32768"
+
+
+def parse_tiling(spec: str) -> tuple[int, ...]:
+    """``64x256`` -> (64, 256); ``64x256x3`` -> (64, 256, 3)."""
+    parts = tuple(int(x) for x in spec.split("x"))
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"bad tiling {spec!r}: expected BLOCK_VxTHREADS[xSTAGES]")
+    return parts
+
+
+def compile_tilings(tilings, dtype="bfloat16"):
+    from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
+    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
+
+    chunk_prepare_kernel(dtype, 128)
+    for t in tilings:
+        for has_h0 in (False, True):
+            chunk_fwd_kernel(dtype, 128, 128, has_h0, False, *t)
+            print("compiled", "x".join(map(str, t)), "h0" if has_h0 else "", flush=True)
+
+
+def run_shape(shape, tilings, args):
+    import torch
+    import triton.testing
+
+    import flash_qla
+    from common import make_inputs, rel_err
+    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
+    from flash_qla_sm90.kernels.forward import _fused, _packed, layout_for
+
+    inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
+    q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
+    cu = inp["cu_seqlens_cpu"].to("cuda", torch.int32)
+    Tt, Hv = q.shape[1], v.shape[2]
+    layout = layout_for(q, cu)
+    scale = 128 ** -0.5
+    ref_o, ref_s = flash_qla.chunk_gated_delta_rule(
+        q.float(), k.float(), v.float(), g, beta.float(), scale=scale, initial_state=h0,
+        output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=inp["cu_seqlens_cpu"],
+        backend="torch")
+
+    k_p, beta_p, g_p = _packed(k), _packed(beta, torch.float32), _packed(g, torch.float32)
+    g_cumsum = torch.zeros(Tt, Hv, dtype=torch.float32, device="cuda")
+    A = torch.zeros(Tt, Hv, 64, dtype=q.dtype, device="cuda")
+    prep = chunk_prepare_kernel("bfloat16", 128)
+
+    def prepare():
+        prep(k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
+
+    prepare()
+    rows = [[shape.label, "prepare", "", bench(prepare, triton)]]
+    q_p, v_p = _packed(q), _packed(v)
+    for t in tilings:
+        def fused():
+            return _fused(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, scale=scale,
+                          initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=t)
+
+        o, final, _ = fused()
+        err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
+        rows.append([shape.label, "x".join(map(str, t)), f"{err:.1e}", bench(fused, triton)])
+    return rows
+
+
+def bench(fn, triton):
+    return round(float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")), 4)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--tilings", default=DEFAULT_TILINGS,
+                   help=f"comma-separated BLOCK_VxTHREADS[xSTAGES] (default {DEFAULT_TILINGS})")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help=f"comma-separated HK/HV@LAYOUT (default {DEFAULT_SHAPES})")
+    p.add_argument("--gate", default="model", choices=["model", "strong", "zero"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-only", action="store_true",
+                   help="build every tiling for sm_90a (no GPU needed) and exit")
+    p.add_argument("--cache-dir", help="TileLang cache directory (sets TILELANG_CACHE_DIR)")
+    args = p.parse_args(argv)
+    tilings = [parse_tiling(s) for s in args.tilings.split(",")]
+    if args.cache_dir:
+        os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+    os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+    if args.compile_only:
+        compile_tilings(tilings)
+        return 0
+
+    import torch
+    from tabulate import tabulate
+
+    from common import Shape
+
+    if not torch.cuda.is_available():
+        print("tune_chunk_fwd.py needs a CUDA GPU (sm_90) and flash-qla-sm90; "
+              "use --compile-only without one.")
+        return 2
+    rows = []
+    for spec in args.shapes.split(","):
+        rows += run_shape(Shape.from_key(f"fwd:{spec}"), tilings, args)
+        print(tabulate(rows[-len(tilings) - 1:], tablefmt="plain"), flush=True)
+    print(tabulate(rows, headers=["shape", "kernel", "err vs torch", "ms"], tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
