@@ -86,6 +86,7 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool):
             bos = T.alloc_var("int32", init=cu_seqlens[n])
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             num_chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
+            first_chunk = T.alloc_var("int32", init=chunk_offsets[n])   # row of dS1
 
             if has_dht:
                 T.copy(dht[n, h, :, v0:v0 + BV], ds_frag)
@@ -108,7 +109,7 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     gam_shared[i] = gam_frag[i]
                     beta_shared[i] = beta_frag[i]
 
-                T.copy(ds_frag, dS1[chunk_offsets[n] + c, h, :, v0:v0 + BV])
+                T.copy(ds_frag, dS1[first_chunk + c, h, :, v0:v0 + BV])
                 T.copy(ds_frag, ds_shared)
                 T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
                 T.gemm(k_shared, ds_shared, kds_frag, clear_accum=True)                # K dS1

@@ -112,6 +112,8 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
             bos = T.alloc_var("int32", init=cu_seqlens[n])
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             last = T.alloc_var("int32", init=bos + seq_len - 1)   # last token (if any)
+            # the chunk-start rows of h: a global read per chunk would stall the store
+            first_chunk = T.alloc_var("int32", init=chunk_offsets[n])
 
             if has_initial_state:
                 T.copy(initial_state[n, h, :, v0:v0 + BV], s_frag)
@@ -147,7 +149,7 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
                     beta_next[i] = T.if_then_else(t0 + C + i <= last, beta[t0 + C + i, h], 0.0)
 
                 if store_h:
-                    T.copy(s_frag, h_out[chunk_offsets[n] + c, h, :, v0:v0 + BV])
+                    T.copy(s_frag, h_out[first_chunk + c, h, :, v0:v0 + BV])
                 T.copy(s_frag, s_shared)
                 # A TMA stage is handed back to the producer right after its buffer's
                 # last GEMM is issued, so each buffer's last GEMM is a synchronous one

@@ -50,7 +50,7 @@ def chunk_prepare_kernel(dtype: str, K: int):
         with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
             k_shared = T.alloc_shared((C, K), dtype)
             kkt_frag = T.alloc_fragment((C, C), f32)
-            n_shared = T.alloc_shared((C, C), f32)            # N = strictly_lower(diag(beta) K K^T)
+            nt_shared = T.alloc_shared((C, C), f32)           # N^T, N = strictly_lower(diag(beta) K K^T)
             beta_shared = T.alloc_shared((C,), f32)
             g_shared = T.alloc_shared((C,), f32)
             a_col = T.alloc_local((C,), f32)                  # one column of A per thread
@@ -72,28 +72,31 @@ def chunk_prepare_kernel(dtype: str, K: int):
                     beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
                     g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
                 for i, j in T.Parallel(C, C):
-                    n_shared[i, j] = T.if_then_else(
+                    nt_shared[j, i] = T.if_then_else(
                         (i > j) & (i < rows), beta_shared[i] * kkt_frag[i, j], 0.0)
 
                 tx = T.get_thread_binding()
                 if tx < C:
                     T.clear(a_col)
-                    # chunk-local cumsum of the gate, row tx
+                    # chunk-local cumsum of the gate, row tx (unrolled: the loads issue
+                    # back to back instead of one shared-memory round trip per step)
                     acc[0] = 0.0
-                    for m in T.serial(C):
-                        if m <= tx:
-                            acc[0] += g_shared[m]
+                    for m in T.unroll(C):
+                        acc[0] += T.if_then_else(m <= tx, g_shared[m], 0.0)
                     if tx < rows:
                         g_cumsum[t0 + tx, h] = acc[0]
                     # forward substitution for column tx of A, right-looking: once
                     # a_col[m] is final it is pushed into every later row, so the
-                    # dependent chain is C steps long (each with C - 1 - m independent
+                    # dependent chain is C steps long (each with ~C - m independent
                     # FMAs) instead of the C (C - 1) / 2 of a row-by-row dot product.
+                    # Column m of N is row m of N^T: contiguous, read 4 floats per load
+                    # from the aligned row lo = 4 floor((m + 1) / 4) (N[r, m] = 0, r <= m).
                     for i in T.unroll(C):
                         a_col[i] = T.if_then_else(i == tx, 1.0, 0.0)
                     for m in T.unroll(C - 1):
-                        for r in T.unroll(C - 1 - m):
-                            a_col[m + 1 + r] -= n_shared[m + 1 + r, m] * a_col[m]
+                        for r in T.unroll(C - (m + 1) // 4 * 4):
+                            a_col[(m + 1) // 4 * 4 + r] -= (
+                                nt_shared[m, (m + 1) // 4 * 4 + r] * a_col[m])
                     for i in T.unroll(C):
                         if i < rows:
                             A[t0 + i, h, tx] = T.cast(a_col[i], dtype)
