@@ -52,7 +52,7 @@ def test_every_variant_is_listed_for_the_shipped_cache():
 
     names = {(builder.__name__ if hasattr(builder, "__name__") else str(builder), args)
              for builder, args in variants()}
-    assert len(names) == 14
+    assert len(names) == 16
 
 
 def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
@@ -61,3 +61,12 @@ def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
     src = _source(chunk_bwd_dh_kernel, "bfloat16", 128, 128, True)
     assert "wgmma" in src
     assert "tma_load" in src
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_backward_intra_kernel_compiles_to_wgmma(dtype):
+    # one chunk per CTA, no loop to pipeline: plain guarded vector loads, WGMMA GEMMs
+    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
+
+    src = _source(chunk_bwd_intra_kernel, dtype, 128, 128)
+    assert "wgmma" in src

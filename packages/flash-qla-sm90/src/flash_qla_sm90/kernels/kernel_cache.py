@@ -38,6 +38,7 @@ def use_shipped_cache() -> None:
 def variants():
     """Every (builder, args) the backend can launch; compiled ahead of time."""
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
+    from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_prepare import chunk_prepare_kernel
     from .traits import DTYPES, HEAD_DIMS
@@ -50,6 +51,7 @@ def variants():
                     yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
+            yield chunk_bwd_intra_kernel, (dtype, K, V)
 
 
 def compile_all(cache_dir: str) -> int:

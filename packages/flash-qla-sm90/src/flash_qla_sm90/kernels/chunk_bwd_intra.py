@@ -1,0 +1,347 @@
+"""Per-chunk gradients of the backward, all chunks in parallel.
+
+One CTA per (chunk, value head). Given the chunk-start state S0 (from the forward
+kernel) and the state gradient at the chunk's end dS1 (from ``chunk_bwd_dh``), every
+gradient of gdn-math.md "Backward of one chunk" is local to the chunk. Rows i, j of the
+chunk; gam = chunk cumsum of the gate, kept log2-scaled (``gam2 = gam log2(e)``) so
+every exponential is an ``exp2`` of a non-positive number:
+
+    E_i = 2^gam2_i     D_i = 2^(gam2_C - gam2_i)     G_ij = 2^min(gam2_i - gam2_j, 0), i >= j
+    forward recompute:
+        P  = G * tril(Q K^T)        Ag = (G * A) diag(beta)
+        X  = V - E K S0             U  = Ag X
+    backward:
+        dU  = scale P^T dO + D K dS1          dAg = dU X^T
+        dX  = Ag^T dU  (= dV)                 dP  = scale dO U^T
+        dQ  = scale E dO S0^T + (dP * G) K
+        M   = dAg diag(beta) * G              dN  = strictly_lower(-A^T M A^T)
+        dK  = D U dS1^T + (dP * G)^T Q - E dX S0^T + diag(beta) dN K + (diag(beta) dN)^T K
+        dbeta_j = sum_i dAg_ij (G * A)_ij + sum_m dN_jm (k_j . k_m)
+        dGG = dP * G * tril(Q K^T) + M * A
+        dgam_i = sum_j dGG_ij - sum_j dGG_ji
+                 + E_i (scale <dO_i, (Q S0)_i> - <dX_i, (K S0)_i>) - dD_i
+        dD_i = D_i <(K dS1)_i, U_i>
+        last = sum_i dD_i + 2^gam2_C <S0, dS1>
+        dg_i = sum_{m >= i} dgam_m + last      (reverse cumsum; gam_C's extra term
+                                                reaches every row of the chunk)
+
+Rows past the end of a sequence (a tail chunk reads the next sequence's rows, or the
+zeros past the tensor end) enter the products unmasked but are cancelled exactly: beta
+and every [C, C] factor (P, Ag, M, dP * G, dN) are zeroed outside ``j <= i < rows``,
+the gate is clamped to the last valid row (so gam2_C is the sequence's last gam), the
+per-row gate terms are zeroed and only valid rows are stored.
+"""
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from .chunk_fwd import LOG2E
+from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
+
+
+@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
+def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
+    """Build the per-chunk gradient kernel for q/k/v dtype ``dtype`` and head dims K, V.
+
+    Kernel arguments (packed token layout, Tt = total tokens, N sequences, NT real
+    chunks, NTmax >= NT grid rows):
+        q, k            [Tt, Hk, K]     dtype
+        v, do           [Tt, Hv, V]     dtype
+        g_cumsum, beta  [Tt, Hv]        fp32
+        A               [Tt, Hv, C]     dtype, gate-free inverse per chunk row
+        h, dS1          [NT, Hv, K, V]  fp32, chunk-start state and chunk-end state gradient
+        cu_seqlens      [N+1]           int32
+        chunk_offsets   [N+1]           int32, first chunk of each sequence (row in h, dS1)
+        chunk_idx       [NTmax, 2]      int32, (sequence, chunk within it); -1 rows skipped
+        scale           fp32 scalar
+        dq, dk          [Tt, Hv, K]     fp32 out, per value head (GVA sum done by the caller)
+        dv              [Tt, Hv, V]     dtype out
+        dbeta, dg       [Tt, Hv]        fp32 out (dg w.r.t. the raw per-token gate)
+    Only rows of real tokens are written.
+    """
+    C = CHUNK
+    assert K == 2 * C and V % 32 == 0      # <S0, dS1> row sums folded onto C rows
+    Tt, Hk, Hv, N1, NT, NTmax = T.dynamic("Tt, Hk, Hv, N1, NT, NTmax")
+    f32 = "float32"
+    BV = V // 2                                              # S0 / dS1 staged in two halves
+
+    @T.prim_func
+    def chunk_bwd_intra(
+        q: T.Tensor((Tt, Hk, K), dtype),
+        k: T.Tensor((Tt, Hk, K), dtype),
+        v: T.Tensor((Tt, Hv, V), dtype),
+        do: T.Tensor((Tt, Hv, V), dtype),
+        g_cumsum: T.Tensor((Tt, Hv), f32),
+        beta: T.Tensor((Tt, Hv), f32),
+        A: T.Tensor((Tt, Hv, C), dtype),
+        h: T.Tensor((NT, Hv, K, V), f32),
+        dS1: T.Tensor((NT, Hv, K, V), f32),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        chunk_idx: T.Tensor((NTmax, 2), "int32"),
+        scale: T.float32,
+        dq: T.Tensor((Tt, Hv, K), f32),
+        dk: T.Tensor((Tt, Hv, K), f32),
+        dv: T.Tensor((Tt, Hv, V), dtype),
+        dbeta: T.Tensor((Tt, Hv), f32),
+        dg: T.Tensor((Tt, Hv), f32),
+    ):
+        with T.Kernel(NTmax * Hv, threads=FWD_THREADS) as bid:
+            # GEMM operands (dtype); some are reused once their first use is over
+            q_shared = T.alloc_shared((C, K), dtype)
+            k_shared = T.alloc_shared((C, K), dtype)
+            x_shared = T.alloc_shared((C, V), dtype)          # V, then X = V - E K S0
+            do_shared = T.alloc_shared((C, V), dtype)
+            a_shared = T.alloc_shared((C, C), dtype)
+            s0_shared = T.alloc_shared((K, V), dtype)
+            ds1_shared = T.alloc_shared((K, V), dtype)
+            p_shared = T.alloc_shared((C, C), dtype)          # P, then A^T M
+            ag_shared = T.alloc_shared((C, C), dtype)         # Ag, then diag(beta) dN
+            u_shared = T.alloc_shared((C, V), dtype)
+            du_shared = T.alloc_shared((C, V), dtype)         # dU, then -E dX
+            m_shared = T.alloc_shared((C, C), dtype)          # M = dAg diag(beta) * G
+            dpg_shared = T.alloc_shared((C, C), dtype)        # dP * G
+            # per-row vectors (fp32)
+            gam_shared = T.alloc_shared((C,), f32)            # log2-scaled chunk cumsum
+            beta_shared = T.alloc_shared((C,), f32)
+            vec_shared = T.alloc_shared((8, C), f32)          # per-row partial sums
+            dgam_shared = T.alloc_shared((C,), f32)
+            ss_shared = T.alloc_shared((K,), f32)             # row sums of S0 * dS1
+            gam_frag = T.alloc_fragment((C,), f32)
+            beta_frag = T.alloc_fragment((C,), f32)
+            # fp32 accumulators
+            st_frag = T.alloc_fragment((K, BV), f32)          # half of S0
+            dt_frag = T.alloc_fragment((K, BV), f32)          # half of dS1
+            ss_part = T.alloc_fragment((K,), f32)
+            ss_acc = T.alloc_fragment((K,), f32)
+            qk_frag = T.alloc_fragment((C, C), f32)           # Q K^T
+            cc_frag = T.alloc_fragment((C, C), f32)
+            kk_frag = T.alloc_fragment((C, C), f32)           # K K^T
+            dgg_frag = T.alloc_fragment((C, C), f32)          # dG * G
+            ks0_frag = T.alloc_fragment((C, V), f32)          # K S0
+            cv_frag = T.alloc_fragment((C, V), f32)
+            u_frag = T.alloc_fragment((C, V), f32)
+            du_frag = T.alloc_fragment((C, V), f32)
+            dx_frag = T.alloc_fragment((C, V), f32)
+            dq_frag = T.alloc_fragment((C, K), f32)
+            dk_frag = T.alloc_fragment((C, K), f32)
+            # one fragment per reduction (each takes the layout of its source)
+            r_qs = T.alloc_fragment((C,), f32)
+            r_dd = T.alloc_fragment((C,), f32)
+            c_dba = T.alloc_fragment((C,), f32)
+            r_ks = T.alloc_fragment((C,), f32)
+            r_dgg = T.alloc_fragment((C,), f32)
+            c_dgg = T.alloc_fragment((C,), f32)
+            r_dn = T.alloc_fragment((C,), f32)
+            r_dg = T.alloc_fragment((C,), f32)
+
+            # Scalars live in registers (T.alloc_var): as plain let-bindings TileLang
+            # re-reads them from global memory at every use.
+            chunk = bid // Hv
+            hh = T.alloc_var("int32", init=bid % Hv)
+            seq = T.alloc_var("int32", init=chunk_idx[chunk, 0])
+            if seq >= 0:
+                cis = T.alloc_var("int32", init=chunk_idx[chunk, 1])
+                t0 = T.alloc_var("int32", init=cu_seqlens[seq] + cis * C)
+                rows = T.alloc_var("int32", init=T.min(cu_seqlens[seq + 1] - t0, C))  # 1..C
+                hk = T.alloc_var("int32", init=hh // (Hv // Hk))  # GVA: value head -> q/k head
+                srow = T.alloc_var("int32", init=chunk_offsets[seq] + cis)  # row in h, dS1
+
+                T.copy(q[t0:t0 + C, hk, :], q_shared)
+                T.copy(k[t0:t0 + C, hk, :], k_shared)
+                T.copy(v[t0:t0 + C, hh, :], x_shared)
+                T.copy(do[t0:t0 + C, hh, :], do_shared)
+                T.copy(A[t0:t0 + C, hh, :], a_shared)
+                for i in T.Parallel(C):
+                    gam_frag[i] = g_cumsum[t0 + T.min(i, rows - 1), hh] * LOG2E
+                    beta_frag[i] = T.if_then_else(i < rows, beta[t0 + i, hh], 0.0)
+                for i in T.Parallel(C):
+                    gam_shared[i] = gam_frag[i]
+                    beta_shared[i] = beta_frag[i]
+
+                # S0, dS1: fp32 -> registers -> dtype operands, and <S0, dS1> row sums in fp32
+                T.clear(ss_acc)
+                for half in T.serial(2):
+                    T.copy(h[srow, hh, :, half * BV:half * BV + BV], st_frag)
+                    T.copy(dS1[srow, hh, :, half * BV:half * BV + BV], dt_frag)
+                    T.copy(st_frag, s0_shared[:, half * BV:half * BV + BV])
+                    T.copy(dt_frag, ds1_shared[:, half * BV:half * BV + BV])
+                    for i, j in T.Parallel(K, BV):
+                        st_frag[i, j] = st_frag[i, j] * dt_frag[i, j]
+                    T.reduce_sum(st_frag, ss_part, dim=1)
+                    for i in T.Parallel(K):
+                        ss_acc[i] = ss_acc[i] + ss_part[i]
+                for i in T.Parallel(K):
+                    ss_shared[i] = ss_acc[i]
+
+                # ---- forward recompute: P, Ag, X, U
+                T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
+                for i, j in T.Parallel(C, C):
+                    live = (i >= j) & (i < rows)
+                    decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
+                    p_shared[i, j] = T.if_then_else(live, qk_frag[i, j] * decay, 0.0)
+                    ag_shared[i, j] = T.if_then_else(
+                        live, a_shared[i, j] * decay * beta_shared[j], 0.0)
+                T.gemm(k_shared, s0_shared, ks0_frag, clear_accum=True)                  # K S0
+                for i, j in T.Parallel(C, V):
+                    x_shared[i, j] = x_shared[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
+                T.gemm(q_shared, s0_shared, cv_frag, clear_accum=True)                   # Q S0
+                for i, j in T.Parallel(C, V):
+                    cv_frag[i, j] = cv_frag[i, j] * do_shared[i, j]
+                T.reduce_sum(cv_frag, r_qs, dim=1)                                   # <dO, QS0>
+                for i in T.Parallel(C):
+                    vec_shared[0, i] = r_qs[i] * scale * T.exp2(gam_shared[i])
+                T.gemm(ag_shared, x_shared, u_frag, clear_accum=True)                    # U = Ag X
+                T.copy(u_frag, u_shared)
+
+                # ---- dU = scale P^T dO + D K dS1, and dD = D <K dS1, U>
+                T.gemm(p_shared, do_shared, du_frag, transpose_A=True, clear_accum=True)  # P^T dO
+                T.gemm(k_shared, ds1_shared, cv_frag, clear_accum=True)                  # K dS1
+                for i, j in T.Parallel(C, V):
+                    kds = T.exp2(gam_shared[C - 1] - gam_shared[i]) * cv_frag[i, j]
+                    du_shared[i, j] = du_frag[i, j] * scale + kds
+                    cv_frag[i, j] = kds * u_frag[i, j]
+                T.reduce_sum(cv_frag, r_dd, dim=1)
+                for i in T.Parallel(C):
+                    vec_shared[1, i] = T.if_then_else(i < rows, r_dd[i], 0.0)        # dD
+
+                # ---- dAg = dU X^T: dbeta (first term), M, and dGG's M * A
+                T.gemm(du_shared, x_shared, cc_frag, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    live = (i >= j) & (i < rows)
+                    decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
+                    dagg = T.if_then_else(live, cc_frag[i, j] * decay, 0.0)              # dAg * G
+                    m_shared[i, j] = dagg * beta_shared[j]
+                    cc_frag[i, j] = dagg * a_shared[i, j]                                # dAg * GA
+                    dgg_frag[i, j] = dagg * a_shared[i, j] * beta_shared[j]              # M * A
+                T.reduce_sum(cc_frag, c_dba, dim=0)
+                for j in T.Parallel(C):
+                    vec_shared[2, j] = c_dba[j]                                       # dbeta, 1st
+
+                # ---- dX = Ag^T dU (= dV); -E dX replaces dU as an operand
+                T.gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    if i < rows:
+                        dv[t0 + i, hh, j] = dx_frag[i, j]
+                for i, j in T.Parallel(C, V):
+                    edx = -T.exp2(gam_shared[i]) * dx_frag[i, j]
+                    du_shared[i, j] = edx
+                    cv_frag[i, j] = edx * ks0_frag[i, j]
+                T.reduce_sum(cv_frag, r_ks, dim=1)                                   # -E <dX, KS0>
+                for i in T.Parallel(C):
+                    vec_shared[3, i] = r_ks[i]
+
+                # ---- dP = scale dO U^T: dP * G, and dGG's dP * G * QK
+                T.gemm(do_shared, u_shared, cc_frag, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    live = (i >= j) & (i < rows)
+                    decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
+                    dpg = T.if_then_else(live, cc_frag[i, j] * scale * decay, 0.0)
+                    dpg_shared[i, j] = dpg
+                    dgg_frag[i, j] = dgg_frag[i, j] + dpg * qk_frag[i, j]
+                T.reduce_sum(dgg_frag, r_dgg, dim=1)
+                T.reduce_sum(dgg_frag, c_dgg, dim=0)
+                for i in T.Parallel(C):
+                    vec_shared[4, i] = r_dgg[i]                                          # dGG rows
+                for j in T.Parallel(C):
+                    vec_shared[6, j] = c_dgg[j]                                       # dGG cols
+
+                # ---- dN = strictly_lower(-A^T M A^T): dbeta (second term), diag(beta) dN
+                T.gemm(a_shared, m_shared, cc_frag, transpose_A=True, clear_accum=True)  # A^T M
+                T.copy(cc_frag, p_shared)
+                T.gemm(p_shared, a_shared, cc_frag, transpose_B=True, clear_accum=True)  # A^T M A^T
+                T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)  # K K^T
+                for i, j in T.Parallel(C, C):
+                    dn = T.if_then_else((i > j) & (i < rows), -cc_frag[i, j], 0.0)
+                    ag_shared[i, j] = dn * beta_shared[i]
+                    kk_frag[i, j] = dn * kk_frag[i, j]
+                T.reduce_sum(kk_frag, r_dn, dim=1)
+                for i in T.Parallel(C):
+                    vec_shared[5, i] = r_dn[i]                                       # dbeta, 2nd
+
+                # ---- dQ = scale E dO S0^T + (dP * G) K
+                T.gemm(do_shared, s0_shared, dq_frag, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    dq_frag[i, j] = dq_frag[i, j] * scale * T.exp2(gam_shared[i])
+                T.gemm(dpg_shared, k_shared, dq_frag)
+                for i, j in T.Parallel(C, K):
+                    if i < rows:
+                        dq[t0 + i, hh, j] = dq_frag[i, j]
+
+                # ---- dK = D U dS1^T + (dP * G)^T Q - E dX S0^T + bdN K + bdN^T K
+                T.gemm(u_shared, ds1_shared, dk_frag, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    dk_frag[i, j] = dk_frag[i, j] * T.exp2(gam_shared[C - 1] - gam_shared[i])
+                T.gemm(dpg_shared, q_shared, dk_frag, transpose_A=True)
+                T.gemm(du_shared, s0_shared, dk_frag, transpose_B=True)
+                T.gemm(ag_shared, k_shared, dk_frag)
+                T.gemm(ag_shared, k_shared, dk_frag, transpose_A=True)
+                for i, j in T.Parallel(C, K):
+                    if i < rows:
+                        dk[t0 + i, hh, j] = dk_frag[i, j]
+
+                # ---- dbeta, and dg = reverse cumsum of dgam (+ the gam_C terms on every row)
+                for i in T.Parallel(C):
+                    if i < rows:
+                        dbeta[t0 + i, hh] = vec_shared[2, i] + vec_shared[5, i]
+                    dgam_shared[i] = T.if_then_else(
+                        i < rows,
+                        (vec_shared[4, i] - vec_shared[6, i] + vec_shared[0, i]
+                         + vec_shared[3, i] - vec_shared[1, i]),
+                        0.0)
+                for i, m in T.Parallel(C, C):
+                    cc_frag[i, m] = (T.if_then_else(m >= i, dgam_shared[m], 0.0)
+                                     + vec_shared[1, m] + T.exp2(gam_shared[C - 1])
+                                     * (ss_shared[m] + ss_shared[m + C]))
+                T.reduce_sum(cc_frag, r_dg, dim=1)
+                for i in T.Parallel(C):
+                    if i < rows:
+                        dg[t0 + i, hh] = r_dg[i]
+
+    return chunk_bwd_intra
+
+
+def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu_seqlens_cpu):
+    """Every per-chunk gradient on the GPU, given the chunk states.
+
+    Args (``Kernels.bwd`` shapes): q, k ``[B, T, Hk, K]``; v, do ``[B, T, Hv, V]``;
+    g_cumsum, beta ``[B, T, Hv]``; A ``[B, T, Hv, C]``; h (chunk-start states) and dS1
+    (state gradient at each chunk's end) ``[NT, Hv, K, V]`` fp32 in chunk order;
+    cu_seqlens / cu_seqlens_cpu ``[N + 1]`` or None (dense).
+
+    Returns ``(dq, dk, dv, dbeta, dg)`` like
+    :func:`flash_qla.chunk_parallel.chunk_gated_delta_rule_bwd_parallel`: dq, dk
+    ``[B, T, Hk, K]`` in q's / k's dtype (per value head from the kernel, then summed
+    over the G = Hv / Hk value heads of each q/k head, deterministically); dv
+    ``[B, T, Hv, V]`` in v's dtype; dbeta ``[B, T, Hv]`` in beta's dtype; dg
+    ``[B, T, Hv]`` fp32. Padding tokens after ``cu_seqlens[-1]`` get zeros.
+    """
+    from .forward import _DTYPE_NAMES, _packed, _zero_padding_rows, layout_for
+
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2:]
+    Tt, dt = B * T, q.dtype
+    layout = layout_for(q, cu_seqlens)
+    NT = h.numel() // (Hv * K * V)
+    zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
+    alloc = torch.zeros if zero else torch.empty
+    dq = alloc(Tt, Hv, K, dtype=torch.float32, device=q.device)
+    dk = alloc(Tt, Hv, K, dtype=torch.float32, device=q.device)
+    dv = alloc(Tt, Hv, V, dtype=dt, device=q.device)
+    dbeta = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
+    dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
+    if NT > 0:
+        chunk_bwd_intra_kernel(_DTYPE_NAMES[dt], K, V)(
+            _packed(q), _packed(k, dt), _packed(v, dt), _packed(do, dt),
+            _packed(g_cumsum, torch.float32), _packed(beta, torch.float32), _packed(A, dt),
+            h.reshape(NT, Hv, K, V).float().contiguous(),
+            dS1.reshape(NT, Hv, K, V).float().contiguous(),
+            layout.cu_seqlens, layout.chunk_offsets, layout.chunk_idx, float(scale),
+            dq, dk, dv, dbeta, dg)
+    G = Hv // Hk
+    return (dq.view(B, T, Hk, G, K).sum(3).to(q.dtype),
+            dk.view(B, T, Hk, G, K).sum(3).to(k.dtype),
+            dv.view(B, T, Hv, V).to(v.dtype),
+            dbeta.view(B, T, Hv).to(beta.dtype),
+            dg.view(B, T, Hv))
