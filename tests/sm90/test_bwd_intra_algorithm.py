@@ -40,11 +40,14 @@ def exp2(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(x)
 
 
-def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk):
+def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
+                rnd=lambda t: t):
     """One CTA: the chunk starting at token t0 with ``rows`` valid rows, value head h.
 
     Packed inputs (``[Tt, H, D]``), S0 / dS1 ``[K, V]``. Returns the kernel's stores
-    (dq, dk ``[rows, K]``; dv ``[rows, V]``; dbeta, dg ``[rows]``).
+    (dq, dk ``[rows, K]``; dv ``[rows, V]``; dbeta, dg ``[rows]``). ``rnd`` is applied
+    wherever the kernel stores a GEMM operand in shared memory (its q/k/v dtype), so a
+    bf16 ``rnd`` models the kernel's operand rounding; the identity gives exact math.
     """
     K = q.shape[-1]
     i = torch.arange(C)
@@ -54,27 +57,29 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk)
     gam = g_cumsum[t0 + torch.clamp(i, max=rows - 1), h] * LOG2E         # [C] log2-scaled
     b = torch.where(i < rows, _rows(beta[:, h], t0), 0.0)                # [C]
     ss = (S0 * dS1).sum(dim=1)                                           # [K]
+    s0_s, ds1_s = rnd(S0), rnd(dS1)                                      # operands
 
     # forward recompute
     qk = q_c @ k_c.T                                                     # [C,C]
     live = (i[:, None] >= i[None, :]) & (i[:, None] < rows)              # [C,C]
     decay = exp2(torch.clamp(gam[:, None] - gam[None, :], max=0.0))      # [C,C]
-    p = torch.where(live, qk * decay, 0.0)
-    ag = torch.where(live, a_c * decay * b[None, :], 0.0)
-    ks0 = k_c @ S0                                                       # [C,V]
-    x_c = x_c - exp2(gam)[:, None] * ks0                                 # X
-    vec0 = ((q_c @ S0) * do_c).sum(dim=1) * scale * exp2(gam)            # [C]
+    p = rnd(torch.where(live, qk * decay, 0.0))
+    ag = rnd(torch.where(live, a_c * decay * b[None, :], 0.0))
+    ks0 = k_c @ s0_s                                                     # [C,V]
+    x_c = rnd(x_c - exp2(gam)[:, None] * ks0)                            # X
+    vec0 = ((q_c @ s0_s) * do_c).sum(dim=1) * scale * exp2(gam)          # [C]
     u = ag @ x_c                                                         # [C,V]
+    u_s = rnd(u)
 
     # dU, dD
     ptdo = p.T @ do_c
-    kds = exp2(gam[C - 1] - gam)[:, None] * (k_c @ dS1)                  # D K dS1
-    du = ptdo * scale + kds
+    kds = exp2(gam[C - 1] - gam)[:, None] * (k_c @ ds1_s)                # D K dS1
+    du = rnd(ptdo * scale + kds)
     vec1 = torch.where(i < rows, (kds * u).sum(dim=1), 0.0)              # dD
 
     # dAg
     dagg = torch.where(live, (du @ x_c.T) * decay, 0.0)                  # dAg * G
-    m = dagg * b[None, :]
+    m = rnd(dagg * b[None, :])
     vec2 = (dagg * a_c).sum(dim=0)                                       # dbeta, 1st
     dgg = dagg * a_c * b[None, :]
 
@@ -82,22 +87,24 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk)
     dx = ag.T @ du                                                       # [C,V]
     edx = -exp2(gam)[:, None] * dx
     vec3 = (edx * ks0).sum(dim=1)
+    edx = rnd(edx)
 
     # dP
-    dpg = torch.where(live, (do_c @ u.T) * scale * decay, 0.0)           # dP * G
+    dpg = torch.where(live, (do_c @ u_s.T) * scale * decay, 0.0)         # dP * G
     dgg = dgg + dpg * qk
+    dpg = rnd(dpg)
     vec4, vec6 = dgg.sum(dim=1), dgg.sum(dim=0)
 
     # dN
-    t1 = a_c.T @ m
+    t1 = rnd(a_c.T @ m)
     strict = (i[:, None] > i[None, :]) & (i[:, None] < rows)
     dn = torch.where(strict, -(t1 @ a_c.T), 0.0)
-    bdn = dn * b[:, None]
+    bdn = rnd(dn * b[:, None])
     vec5 = (dn * (k_c @ k_c.T)).sum(dim=1)                               # dbeta, 2nd
 
-    dq = (do_c @ S0.T) * scale * exp2(gam)[:, None] + dpg @ k_c          # [C,K]
-    dk = ((u @ dS1.T) * exp2(gam[C - 1] - gam)[:, None] + dpg.T @ q_c
-          + edx @ S0.T + bdn @ k_c + bdn.T @ k_c)                        # [C,K]
+    dq = (do_c @ s0_s.T) * scale * exp2(gam)[:, None] + dpg @ k_c        # [C,K]
+    dk = ((u_s @ ds1_s.T) * exp2(gam[C - 1] - gam)[:, None] + dpg.T @ q_c
+          + edx @ s0_s.T + bdn @ k_c + bdn.T @ k_c)                      # [C,K]
 
     dbeta = vec2 + vec5
     dgam = torch.where(i < rows, vec4 - vec6 + vec0 + vec3 - vec1, 0.0)
@@ -108,7 +115,8 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk)
     return dq[:rows], dk[:rows], dx[:rows], dbeta[:rows], dg[:rows]
 
 
-def emulate_chunk_bwd_intra(q, k, v, do, g_cumsum, beta, A, h, dS1, scale, bounds):
+def emulate_chunk_bwd_intra(q, k, v, do, g_cumsum, beta, A, h, dS1, scale, bounds,
+                            rnd=lambda t: t):
     """The whole kernel on packed tensors: per-value-head outputs ``dq, dk [Tt, Hv, K]``,
     ``dv [Tt, Hv, V]``, ``dbeta, dg [Tt, Hv]`` (zeros on rows no CTA writes)."""
     Tt, Hk, K = q.shape
@@ -123,7 +131,7 @@ def emulate_chunk_bwd_intra(q, k, v, do, g_cumsum, beta, A, h, dS1, scale, bound
             t0, rows = bos + c * C, min(seq_len - c * C, C)
             for hh in range(Hv):
                 out = emulate_cta(q, k, v, do, g_cumsum, beta, A, h[srow, hh], dS1[srow, hh],
-                                  scale, t0, rows, hh, hh // (Hv // Hk))
+                                  scale, t0, rows, hh, hh // (Hv // Hk), rnd)
                 for dst, val in zip((dq, dk, dv, dbeta, dg), out):
                     dst[t0:t0 + rows, hh] = val
             srow += 1
@@ -250,3 +258,62 @@ def test_kernel_algorithm_matches_chunk_parallel_backward(name):
         cu_seqlens=cu, cu_seqlens_cpu=cu, dS1=x["dS1"], dh0=x["h"][:len(bounds) - 1])
     for nm, a, b in zip(("dq", "dk", "dv", "dbeta", "dg"), ours, ref[:5]):
         assert rel_l2(a, b[0]) < TOL, nm
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+#: The GPU test's tolerances (kernel vs the fp32 chunk-parallel backward).
+GPU_TOL = {"dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dbeta": 2e-2, "dg": 2e-2}
+
+
+@pytest.mark.parametrize("gate", ["typical", "strong", "zero"])
+def test_bf16_operand_rounding_within_gpu_tolerance(gate):
+    """Precision budget: the algorithm with every shared-memory operand rounded to bf16
+    (inputs bf16 too, as on the GPU; accumulation exact) against the exact algorithm on
+    the same inputs, with realistic chunk states (the torch forward's h) and state
+    gradients (the chunk_bwd_dh algorithm's dS1). Must stay at half the GPU test's
+    tolerances, leaving room for fp32 accumulation and exp2f."""
+    from flash_qla.reference import chunk_gated_delta_rule_fwd_torch
+    from tests.sm90.test_bwd_dh_algorithm import emulate_bwd_dh
+
+    gen = torch.Generator().manual_seed(3)
+    lens, Hk, Hv, K, V = [300, 37, 130], 1, 2, 128, 128
+    bounds = [0, 300, 337, 467]
+    Tt = bounds[-1]
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    q = _bf16(F.normalize(randn(1, Tt, Hk, K), dim=-1))
+    k = _bf16(F.normalize(randn(1, Tt, Hk, K), dim=-1))
+    v, do = _bf16(randn(1, Tt, Hv, V)), _bf16(randn(1, Tt, Hv, V))
+    beta = torch.sigmoid(randn(1, Tt, Hv)).float().double()
+    if gate == "zero":
+        g = torch.zeros(1, Tt, Hv, dtype=torch.float64)
+    elif gate == "strong":
+        g = -30.0 * torch.rand(1, Tt, Hv, generator=gen, dtype=torch.float64)
+    else:
+        g = F.logsigmoid(randn(1, Tt, Hv) + 3.0)
+    h0, dht = 0.1 * randn(len(lens), Hv, K, V), randn(len(lens), Hv, K, V)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    scale = K ** -0.5
+    g_cumsum, A, _, h, _ = chunk_gated_delta_rule_fwd_torch(
+        q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu,
+        output_final_state=False, output_h=True)
+    g_cumsum, A, h = g_cumsum.float().double(), _bf16(A), h[0].float().double()
+    packed = [t[0] for t in (q, k, v, do, g_cumsum, beta, A)]
+    dS1, _ = emulate_bwd_dh(packed[0], packed[1], packed[3], packed[4], packed[5],
+                            packed[6], dht, scale, bounds)
+    dS1 = dS1.float().double()
+    exact = emulate_chunk_bwd_intra(*packed, h, dS1, scale, bounds)
+    rounded = emulate_chunk_bwd_intra(*packed, h, dS1, scale, bounds, rnd=_bf16)
+    G = Hv // Hk
+    for nm, a, b in zip(GPU_TOL, rounded, exact):
+        if nm in ("dq", "dk"):
+            a, b = a.view(Tt, Hk, G, K).sum(2), b.view(Tt, Hk, G, K).sum(2)
+        if nm != "dg":                        # stored in the input dtype
+            a = _bf16(a)
+        err = rel_l2(a, b)
+        assert err < GPU_TOL[nm] / 2, (nm, err)

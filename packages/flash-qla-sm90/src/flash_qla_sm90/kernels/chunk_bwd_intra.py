@@ -91,14 +91,14 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
             # GEMM operands (dtype); some are reused once their first use is over
             q_shared = T.alloc_shared((C, K), dtype)
             k_shared = T.alloc_shared((C, K), dtype)
-            x_shared = T.alloc_shared((C, V), dtype)          # V, then X = V - E K S0
+            x_shared = T.alloc_shared((C, V), dtype)          # X = V - E K S0
             do_shared = T.alloc_shared((C, V), dtype)
             a_shared = T.alloc_shared((C, C), dtype)
             s0_shared = T.alloc_shared((K, V), dtype)
             ds1_shared = T.alloc_shared((K, V), dtype)
             p_shared = T.alloc_shared((C, C), dtype)          # P, then A^T M
             ag_shared = T.alloc_shared((C, C), dtype)         # Ag, then diag(beta) dN
-            u_shared = T.alloc_shared((C, V), dtype)
+            u_shared = T.alloc_shared((C, V), dtype)          # V, then U
             du_shared = T.alloc_shared((C, V), dtype)         # dU, then -E dX
             m_shared = T.alloc_shared((C, C), dtype)          # M = dAg diag(beta) * G
             dpg_shared = T.alloc_shared((C, C), dtype)        # dP * G
@@ -150,7 +150,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
 
                 T.copy(q[t0:t0 + C, hk, :], q_shared)
                 T.copy(k[t0:t0 + C, hk, :], k_shared)
-                T.copy(v[t0:t0 + C, hh, :], x_shared)
+                T.copy(v[t0:t0 + C, hh, :], u_shared)
                 T.copy(do[t0:t0 + C, hh, :], do_shared)
                 T.copy(A[t0:t0 + C, hh, :], a_shared)
                 for i in T.Parallel(C):
@@ -185,7 +185,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
                         live, a_shared[i, j] * decay * beta_shared[j], 0.0)
                 T.gemm(k_shared, s0_shared, ks0_frag, clear_accum=True)                  # K S0
                 for i, j in T.Parallel(C, V):
-                    x_shared[i, j] = x_shared[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
+                    x_shared[i, j] = u_shared[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
                 T.gemm(q_shared, s0_shared, cv_frag, clear_accum=True)                   # Q S0
                 for i, j in T.Parallel(C, V):
                     cv_frag[i, j] = cv_frag[i, j] * do_shared[i, j]
