@@ -4,7 +4,8 @@ One CTA per (chunk, value head). Given the chunk-start state S0 (from the forwar
 kernel) and the state gradient at the chunk's end dS1 (from ``chunk_bwd_dh``), every
 gradient of gdn-math.md "Backward of one chunk" is local to the chunk. Rows i, j of the
 chunk; gam = chunk cumsum of the gate, kept log2-scaled (``gam2 = gam log2(e)``) so
-every exponential is an ``exp2`` of a non-positive number:
+every exponential is an ``exp2`` of a non-positive number (gates g <= 0; G is clamped
+and only formed for i >= j):
 
     E_i = 2^gam2_i     D_i = 2^(gam2_C - gam2_i)     G_ij = 2^min(gam2_i - gam2_j, 0), i >= j
     forward recompute:
@@ -30,6 +31,11 @@ zeros past the tensor end) enter the products unmasked but are cancelled exactly
 and every [C, C] factor (P, Ag, M, dP * G, dN) are zeroed outside ``j <= i < rows``,
 the gate is clamped to the last valid row (so gam2_C is the sequence's last gam), the
 per-row gate terms are zeroed and only valid rows are stored.
+
+Resources (sm_90a, K = V = 128, 256 threads): about 190 KB of shared memory (S0 and dS1
+as dtype operands, 32 KB each; TileLang overlaps buffers whose lifetimes are disjoint),
+so one CTA per SM; 170 registers, no spills. The ``<S0, dS1>`` row sums (K of them) are
+folded onto the C rows of the final reduction, which needs K = 2 C.
 """
 
 import tilelang
