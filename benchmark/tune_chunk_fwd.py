@@ -48,9 +48,9 @@ def compile_tilings(tilings, dtype="bfloat16"):
 def run_shape(shape, tilings, args):
     import torch
     import triton.testing
+    from common import make_inputs, rel_err
 
     import flash_qla
-    from common import make_inputs, rel_err
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
     from flash_qla_sm90.kernels.forward import _fused, _packed, layout_for
 
@@ -77,7 +77,7 @@ def run_shape(shape, tilings, args):
     rows = [[shape.label, "prepare", "", bench(prepare, triton)]]
     q_p, v_p = _packed(q), _packed(v)
     for t in tilings:
-        def fused():
+        def fused(t=t):
             return _fused(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, scale=scale,
                           initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=t)
 
@@ -114,9 +114,8 @@ def main(argv=None):
         return 0
 
     import torch
-    from tabulate import tabulate
-
     from common import Shape
+    from tabulate import tabulate
 
     if not torch.cuda.is_available():
         print("tune_chunk_fwd.py needs a CUDA GPU (sm_90) and flash-qla-sm90; "

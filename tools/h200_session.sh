@@ -2,9 +2,11 @@
 # One device call (fits the 10-minute limit). Stages, chosen with STAGES="...":
 #   tests     pytest -m gpu (forward, backward, segments; chunk_bwd_dh check isolated)
 #   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
-#   bwd       forward+backward timings of ours (bench --mode bwd)
+#   intra     backward gpu tests with FLASH_QLA_SM90_BWD_INTRA=1
+#   bwd       forward+backward timings of ours (bench --mode bwd; BWD_INTRA=1 for the kernel)
 #   profile   per-kernel profile of ours, develop set
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes ~60 s per shape)
+#   ncu       Nsight Compute warp-stall breakdown of one chunk_fwd launch (if ncu exists)
 # Results: one archive $OUT/results.tar.xz (the device returns at most 8 files); tables
 # printed last. Usage (on the lent H200, repo root, .offline-gpu carried):
 #   STAGES="tests tune" bash tools/h200_session.sh
@@ -18,27 +20,44 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs"
 if has tests; then
-  timeout 240 $PT tests -m gpu --deselect \
-    tests/sm90/test_backward_gpu.py::test_dh_kernel_matches_torch_sweep > "$R/gpu-tests.txt" 2>&1
+  timeout 240 $PT tests -m gpu -k "${TEST_FILTER:-not dh_kernel}" > "$R/gpu-tests.txt" 2>&1
   timeout 60 $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$R/gpu-dh.txt" 2>&1
+fi
+if has intra; then   # the backward through the API with the chunk_bwd_intra kernel on
+  FLASH_QLA_SM90_BWD_INTRA=1 timeout 90 $PT tests/sm90/test_backward_gpu.py -k gradients \
+    > "$R/gpu-intra.txt" 2>&1
 fi
 if has tune; then
   timeout 150 python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
 fi
 if has bwd; then
-  timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
+  FLASH_QLA_SM90_BWD_INTRA=${BWD_INTRA:-0} timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
     --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" > "$R/bwd.txt" 2>&1
 fi
 if has profile; then
   timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
     --shapes "${PROFILE_SHAPES:-16/16@*}" --out "$R" > "$R/profile.txt" 2>&1
 fi
+if has ncu; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    timeout 150 "$NCU" --kernel-name regex:chunk_fwd --launch-count 1 \
+      --section WarpStateStats --section SchedulerStats --section LaunchStats \
+      --section Occupancy --section ComputeWorkloadAnalysis --section SpeedOfLight \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 benchmark/tune_chunk_fwd.py --tilings 64x256 --shapes "${NCU_SHAPE:-2/8@1x8192}" \
+      > "$R/ncu.txt" 2>&1
+  else
+    echo "no ncu on this host" > "$R/ncu.txt"
+  fi
+fi
 if has fla; then
   timeout 200 $B --mode fwd --peers fla --tag H200-fla --deadline-s 170 \
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .
-for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
-[ -f "$R/gpu-tests.txt" ] && grep -E "^FAILED|^ERROR" "$R/gpu-tests.txt" | head -20
+for f in gpu-tests gpu-dh gpu-intra; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
+cat "$R"/gpu-*.txt 2>/dev/null | grep -E "^FAILED|^ERROR" | head -20
+[ -f "$R/ncu.txt" ] && grep -E "stalled|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Theoretical Occ|No Eligible|One or More" "$R/ncu.txt" | sort -k3 -rn | head -40
 for f in bwd profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"

@@ -4,8 +4,9 @@
 2. the state gradient at every chunk end, dS1, comes from the reverse sweep: the
    ``chunk_bwd_dh`` kernel when ``traits.BWD_DH_KERNEL`` is on, else the core's batched
    PyTorch sweep;
-3. every per-chunk gradient runs chunk-parallel in PyTorch
-   (``flash_qla.chunk_parallel``), until TileLang kernels take that stage too.
+3. every per-chunk gradient runs chunk-parallel: the ``chunk_bwd_intra`` kernel when
+   ``traits.BWD_INTRA_KERNEL`` is on (with the dh kernel), else PyTorch
+   (``flash_qla.chunk_parallel``).
 """
 
 from __future__ import annotations
@@ -48,16 +49,25 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
 
 
 def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
-              cu_seqlens_cpu, use_dh_kernel: bool | None = None):
+              cu_seqlens_cpu, use_dh_kernel: bool | None = None,
+              use_intra_kernel: bool | None = None):
     """Backward; returns (dq, dk, dv, dbeta, dg, dh0) (see Kernels.bwd).
-    ``use_dh_kernel`` None follows ``traits.BWD_DH_KERNEL`` (read at every call)."""
+    ``use_dh_kernel`` / ``use_intra_kernel`` None follow ``traits.BWD_DH_KERNEL`` /
+    ``traits.BWD_INTRA_KERNEL`` (read at every call)."""
     if use_dh_kernel is None:
         use_dh_kernel = traits.BWD_DH_KERNEL
+    if use_intra_kernel is None:
+        use_intra_kernel = traits.BWD_INTRA_KERNEL
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, **common)
     dS1 = dh0 = None
     if use_dh_kernel:
         dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
+        if use_intra_kernel:
+            from .chunk_bwd_intra import chunk_grads
+
+            grads = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, **common)
+            return (*grads, dh0 if initial_state is not None else None)
     return chunk_gated_delta_rule_bwd_parallel(
         q, k, v, g_cumsum, beta, A, do, h, dht=dht, initial_state=initial_state,
         dS1=dS1, dh0=dh0, **common)

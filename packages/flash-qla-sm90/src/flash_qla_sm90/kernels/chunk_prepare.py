@@ -9,9 +9,9 @@ For each chunk (rows i, j in [0, C)) and value head (gdn-math.md, "Chunked form"
 A depends only on k and beta, so no exponent of the gate enters it. The inverse is a
 forward substitution done in fp32: thread j owns column j of A,
 ``A[i, j] = delta_ij - sum_{m<i} N[i, m] A[m, j]``, evaluated right-looking (row m,
-once final, is subtracted from all later rows) so the dependent chain is C steps; N
-lives in shared memory and is read by broadcast, so the sweep needs no barrier. Rows past the end of a sequence act as
-k = beta = 0 and are not written.
+once final, is subtracted from all later rows) so the dependent chain is C steps; N^T
+lives in shared memory and is read by broadcast, so the sweep needs no barrier. Rows
+past the end of a sequence act as k = beta = 0 and are not written.
 """
 
 import tilelang
@@ -50,7 +50,7 @@ def chunk_prepare_kernel(dtype: str, K: int):
         with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
             k_shared = T.alloc_shared((C, K), dtype)
             kkt_frag = T.alloc_fragment((C, C), f32)
-            nt_shared = T.alloc_shared((C, C), f32)           # N^T, N = strictly_lower(diag(beta) K K^T)
+            nt_shared = T.alloc_shared((C, C), f32)           # N^T (N: see above)
             beta_shared = T.alloc_shared((C,), f32)
             g_shared = T.alloc_shared((C,), f32)
             a_col = T.alloc_local((C,), f32)                  # one column of A per thread
