@@ -12,6 +12,10 @@ forward substitution done in fp32: thread j owns column j of A,
 once final, is subtracted from all later rows) so the dependent chain is C steps; N^T
 lives in shared memory and is read by broadcast, so the sweep needs no barrier. Rows
 past the end of a sequence act as k = beta = 0 and are not written.
+
+One CTA (one warpgroup) takes two consecutive chunks of the grid, so that the 128
+threads run two substitutions at once (one column per thread) instead of leaving half
+of them idle.
 """
 
 import tilelang
@@ -37,6 +41,33 @@ def chunk_prepare_kernel(dtype: str, K: int):
     Tt, Hk, Hv, N1, NTmax = T.dynamic("Tt, Hk, Hv, N1, NTmax")
     f32 = "float32"
 
+    @T.macro
+    def load_chunk(k, g, beta, k_shared, kkt_frag, nt_shared, g_shared, beta_shared,
+                   slot, h, hk, t0, rows):
+        """One chunk into pair slot ``slot``: its gates, and N^T from a WGMMA K K^T."""
+        T.copy(k[t0:t0 + C, hk, :], k_shared)
+        T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
+        for i in T.Parallel(C):
+            beta_shared[slot, i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
+            g_shared[slot, i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
+        for i, j in T.Parallel(C, C):
+            nt_shared[slot, j, i] = T.if_then_else(
+                (i > j) & (i < rows), beta_shared[slot, i] * kkt_frag[i, j], 0.0)
+
+    @T.macro
+    def substitute(a_col, nt_shared, slot, col):
+        """Column ``col`` of A = (I + N)^-1 by forward substitution, right-looking: once
+        a_col[m] is final it is pushed into every later row, so the dependent chain is C
+        steps long (each with ~C - m independent FMAs) instead of the C (C - 1) / 2 of a
+        row-by-row dot product. Column m of N is row m of N^T: contiguous, read 4 floats
+        per load from the aligned row lo = 4 floor((m + 1) / 4) (N[r, m] = 0, r <= m)."""
+        for i in T.unroll(C):
+            a_col[i] = T.if_then_else(i == col, 1.0, 0.0)
+        for m in T.unroll(C - 1):
+            for r in T.unroll(C - (m + 1) // 4 * 4):
+                a_col[(m + 1) // 4 * 4 + r] -= (
+                    nt_shared[slot, m, (m + 1) // 4 * 4 + r] * a_col[m])
+
     @T.prim_func
     def chunk_prepare(
         k: T.Tensor((Tt, Hk, K), dtype),
@@ -47,58 +78,64 @@ def chunk_prepare_kernel(dtype: str, K: int):
         g_cumsum: T.Tensor((Tt, Hv), f32),
         A: T.Tensor((Tt, Hv, C), dtype),
     ):
-        with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
-            k_shared = T.alloc_shared((C, K), dtype)
-            kkt_frag = T.alloc_fragment((C, C), f32)
-            nt_shared = T.alloc_shared((C, C), f32)           # N^T (N: see above)
-            beta_shared = T.alloc_shared((C,), f32)
-            g_shared = T.alloc_shared((C,), f32)
+        # Two chunks per CTA (slots 0, 1), so that all four warps run a substitution.
+        with T.Kernel(T.ceildiv(NTmax, 2) * Hv, threads=PREPARE_THREADS) as bid:
+            k0_shared = T.alloc_shared((C, K), dtype)
+            k1_shared = T.alloc_shared((C, K), dtype)
+            kkt0_frag = T.alloc_fragment((C, C), f32)
+            kkt1_frag = T.alloc_fragment((C, C), f32)
+            nt_shared = T.alloc_shared((2, C, C), f32)        # N^T per slot (N: see above)
+            beta_shared = T.alloc_shared((2, C), f32)
+            g_shared = T.alloc_shared((2, C), f32)
             a_col = T.alloc_local((C,), f32)                  # one column of A per thread
             acc = T.alloc_local((1,), f32)
 
             # Scalars live in registers (T.alloc_var): as plain let-bindings TileLang
             # re-reads them from global memory at every use, inside unrolled loops too.
-            chunk = bid // Hv
+            c0 = T.alloc_var("int32", init=bid // Hv * 2)    # the pair's first chunk
             h = T.alloc_var("int32", init=bid % Hv)
-            seq = T.alloc_var("int32", init=chunk_idx[chunk, 0])
-            if seq >= 0:
-                t0 = T.alloc_var("int32", init=cu_seqlens[seq] + chunk_idx[chunk, 1] * C)
-                rows = T.alloc_var("int32", init=T.min(cu_seqlens[seq + 1] - t0, C))  # 1..C
-                hk = T.alloc_var("int32", init=h // (Hv // Hk))  # GVA: value head -> q/k head
+            hk = T.alloc_var("int32", init=h // (Hv // Hk))  # GVA: value head -> q/k head
+            seq0 = T.alloc_var("int32", init=chunk_idx[c0, 0])
+            seq1 = T.alloc_var("int32", init=T.if_then_else(
+                c0 + 1 < NTmax, chunk_idx[T.min(c0 + 1, NTmax - 1), 0], -1))
+            t00 = T.alloc_var("int32", init=0)
+            t01 = T.alloc_var("int32", init=0)
+            rows0 = T.alloc_var("int32", init=0)
+            rows1 = T.alloc_var("int32", init=0)
+            if seq0 >= 0:
+                t00 = cu_seqlens[seq0] + chunk_idx[c0, 1] * C
+                rows0 = T.min(cu_seqlens[seq0 + 1] - t00, C)                  # 1..C
+                load_chunk(k, g, beta, k0_shared, kkt0_frag, nt_shared, g_shared,
+                           beta_shared, 0, h, hk, t00, rows0)
+            if seq1 >= 0:
+                t01 = cu_seqlens[seq1] + chunk_idx[c0 + 1, 1] * C
+                rows1 = T.min(cu_seqlens[seq1 + 1] - t01, C)
+                load_chunk(k, g, beta, k1_shared, kkt1_frag, nt_shared, g_shared,
+                           beta_shared, 1, h, hk, t01, rows1)
 
-                T.copy(k[t0:t0 + C, hk, :], k_shared)
-                T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
-                for i in T.Parallel(C):
-                    beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
-                    g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
-                for i, j in T.Parallel(C, C):
-                    nt_shared[j, i] = T.if_then_else(
-                        (i > j) & (i < rows), beta_shared[i] * kkt_frag[i, j], 0.0)
-
-                tx = T.get_thread_binding()
-                if tx < C:
-                    T.clear(a_col)
-                    # chunk-local cumsum of the gate, row tx (unrolled: the loads issue
-                    # back to back instead of one shared-memory round trip per step)
-                    acc[0] = 0.0
-                    for m in T.unroll(C):
-                        acc[0] += T.if_then_else(m <= tx, g_shared[m], 0.0)
-                    if tx < rows:
-                        g_cumsum[t0 + tx, h] = acc[0]
-                    # forward substitution for column tx of A, right-looking: once
-                    # a_col[m] is final it is pushed into every later row, so the
-                    # dependent chain is C steps long (each with ~C - m independent
-                    # FMAs) instead of the C (C - 1) / 2 of a row-by-row dot product.
-                    # Column m of N is row m of N^T: contiguous, read 4 floats per load
-                    # from the aligned row lo = 4 floor((m + 1) / 4) (N[r, m] = 0, r <= m).
-                    for i in T.unroll(C):
-                        a_col[i] = T.if_then_else(i == tx, 1.0, 0.0)
-                    for m in T.unroll(C - 1):
-                        for r in T.unroll(C - (m + 1) // 4 * 4):
-                            a_col[(m + 1) // 4 * 4 + r] -= (
-                                nt_shared[m, (m + 1) // 4 * 4 + r] * a_col[m])
-                    for i in T.unroll(C):
-                        if i < rows:
-                            A[t0 + i, h, tx] = T.cast(a_col[i], dtype)
+            tx = T.get_thread_binding()
+            slot = T.alloc_var("int32", init=tx // C)        # warps 0-1: slot 0, 2-3: slot 1
+            col = T.alloc_var("int32", init=tx % C)
+            mine = T.alloc_var("int32", init=T.if_then_else(slot == 0, seq0, seq1))
+            t0 = T.alloc_var("int32", init=T.if_then_else(slot == 0, t00, t01))
+            rows = T.alloc_var("int32", init=T.if_then_else(slot == 0, rows0, rows1))
+            if mine >= 0:
+                # chunk-local cumsum of the gate, row col (unrolled: the loads issue
+                # back to back instead of one shared-memory round trip per step)
+                acc[0] = 0.0
+                for m in T.unroll(C):
+                    acc[0] += T.if_then_else(m <= col, g_shared[slot, m], 0.0)
+                if col < rows:
+                    g_cumsum[t0 + col, h] = acc[0]
+                # one copy of the unrolled sweep per slot: a constant N^T base keeps
+                # the 2016 loads as shared-memory immediates (a runtime slot index
+                # made nvcc keep 64-bit addresses live: 255 registers and spills)
+                if slot == 0:
+                    substitute(a_col, nt_shared, 0, col)
+                else:
+                    substitute(a_col, nt_shared, 1, col)
+                for i in T.unroll(C):
+                    if i < rows:
+                        A[t0 + i, h, col] = T.cast(a_col[i], dtype)
 
     return chunk_prepare
