@@ -2,8 +2,7 @@
 # One device call (fits the 10-minute limit). Stages, chosen with STAGES="...":
 #   tests     pytest -m gpu (forward, backward, segments; chunk_bwd_dh check isolated)
 #   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
-#   intra     backward gpu tests with FLASH_QLA_SM90_BWD_INTRA=1
-#   bwd       forward+backward timings of ours (bench --mode bwd; BWD_INTRA=1 for the kernel)
+#   bwd       forward+backward timings of ours (bench --mode bwd)
 #   profile   per-kernel profile of ours, develop set
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes ~60 s per shape)
 #   ncu       Nsight Compute warp-stall breakdown of one chunk_fwd launch (if ncu exists)
@@ -23,15 +22,11 @@ if has tests; then
   timeout 240 $PT tests -m gpu -k "${TEST_FILTER:-not dh_kernel}" > "$R/gpu-tests.txt" 2>&1
   timeout 60 $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$R/gpu-dh.txt" 2>&1
 fi
-if has intra; then   # the backward through the API with the chunk_bwd_intra kernel on
-  FLASH_QLA_SM90_BWD_INTRA=1 timeout 90 $PT tests/sm90/test_backward_gpu.py -k gradients \
-    > "$R/gpu-intra.txt" 2>&1
-fi
 if has tune; then
   timeout 150 python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
 fi
 if has bwd; then
-  FLASH_QLA_SM90_BWD_INTRA=${BWD_INTRA:-0} timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
+  timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
     --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" > "$R/bwd.txt" 2>&1
 fi
 if has profile; then
@@ -56,7 +51,7 @@ if has fla; then
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .
-for f in gpu-tests gpu-dh gpu-intra; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
+for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
 cat "$R"/gpu-*.txt 2>/dev/null | grep -E "^FAILED|^ERROR" | head -20
 [ -f "$R/ncu.txt" ] && grep -E "stalled|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Theoretical Occ|No Eligible|One or More" "$R/ncu.txt" | sort -k3 -rn | head -40
 for f in bwd profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done

@@ -85,8 +85,11 @@ def _expand_heads(x: Tensor, Hv: int) -> Tensor:
 
 
 def _reduce_heads(dx: Tensor, Hk: int) -> Tensor:
-    """GVA adjoint of :func:`_expand_heads`: ``[B, T, Hv, D] -> [B, T, Hk, D]`` (sum)."""
+    """GVA adjoint of :func:`_expand_heads`: ``[B, T, Hv, D] -> [B, T, Hk, D]`` (sum;
+    ``dx`` itself when Hv == Hk, no reduction kernel)."""
     B, T, Hv, D = dx.shape
+    if Hv == Hk:
+        return dx
     return dx.reshape(B, T, Hk, Hv // Hk, D).sum(dim=3)
 
 

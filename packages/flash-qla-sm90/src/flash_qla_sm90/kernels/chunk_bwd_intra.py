@@ -323,6 +323,8 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     ``[B, T, Hv, V]`` in v's dtype; dbeta ``[B, T, Hv]`` in beta's dtype; dg
     ``[B, T, Hv]`` fp32. Padding tokens after ``cu_seqlens[-1]`` get zeros.
     """
+    from flash_qla.reference import _reduce_heads
+
     from .forward import _DTYPE_NAMES, _packed, _zero_padding_rows, layout_for
 
     B, T, Hk, K = q.shape
@@ -345,9 +347,8 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
             dS1.reshape(NT, Hv, K, V).float().contiguous(),
             layout.cu_seqlens, layout.chunk_offsets, layout.chunk_idx, float(scale),
             dq, dk, dv, dbeta, dg)
-    G = Hv // Hk
-    return (dq.view(B, T, Hk, G, K).sum(3).to(q.dtype),
-            dk.view(B, T, Hk, G, K).sum(3).to(k.dtype),
+    return (_reduce_heads(dq.view(B, T, Hv, K), Hk).to(q.dtype),
+            _reduce_heads(dk.view(B, T, Hv, K), Hk).to(k.dtype),
             dv.view(B, T, Hv, V).to(v.dtype),
             dbeta.view(B, T, Hv).to(beta.dtype),
             dg.view(B, T, Hv))

@@ -4,7 +4,6 @@ Every value here is part of a compiled kernel's identity; everything else (B, T,
 Hk, Hv, N, sequence lengths) is dynamic and never triggers a recompilation.
 """
 
-import os
 
 #: Explicit target so the kernels compile on a machine without a GPU
 #: (plain "sm_90" fails in nvcc for warp-specialised code; tilelang-notes.md).
@@ -36,8 +35,7 @@ PASS_CONFIGS = {}
 #: False falls back to the batched PyTorch sweep.
 BWD_DH_KERNEL = True
 
-#: Use the ``chunk_bwd_intra`` kernel for the per-chunk gradients (needs BWD_DH_KERNEL).
-#: Off until tests/sm90/test_backward_gpu.py::test_intra_kernel_matches_torch_chunk_grads
-#: has passed on an H200; False runs them chunk-parallel in PyTorch. The environment
-#: variable FLASH_QLA_SM90_BWD_INTRA=1 turns it on for that check and for timings.
-BWD_INTRA_KERNEL = os.environ.get("FLASH_QLA_SM90_BWD_INTRA", "0") == "1"
+#: Use the ``chunk_bwd_intra`` kernel for the per-chunk gradients (needs BWD_DH_KERNEL);
+#: verified on an H200 2026-11-30 (test_intra_kernel_matches_torch_chunk_grads 5/5 and
+#: the API gradients vs the fp64 recurrence with it on). False: chunk-parallel PyTorch.
+BWD_INTRA_KERNEL = True
