@@ -3,6 +3,7 @@
 #   tests     pytest -m gpu (forward, backward, segments; chunk_bwd_dh check isolated)
 #   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
 #   bwd       forward+backward timings of ours (bench --mode bwd)
+#   fwd       forward timings of ours, eager and graphed (bench --mode fwd)
 #   profile   per-kernel profile of ours, develop set
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes ~60 s per shape)
 #   ncu       Nsight Compute warp-stall breakdown of one chunk_fwd launch (if ncu exists)
@@ -29,6 +30,11 @@ if has bwd; then
   timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
     --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" > "$R/bwd.txt" 2>&1
 fi
+if has fwd; then   # ours alone on forward-grid rows, eager and CUDA-graph replay
+  timeout 150 python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
+    --tag H200-fwd --deadline-s 120 --shapes "${FWD_SHAPES:-2/8@1x32768,16/32@1x8192}" \
+    > "$R/fwd.txt" 2>&1
+fi
 if has profile; then
   timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
     --shapes "${PROFILE_SHAPES:-16/16@*}" --out "$R" > "$R/profile.txt" 2>&1
@@ -54,5 +60,5 @@ tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
 cat "$R"/gpu-*.txt 2>/dev/null | grep -E "^FAILED|^ERROR" | head -20
 [ -f "$R/ncu.txt" ] && grep -E "stalled|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Theoretical Occ|No Eligible|One or More" "$R/ncu.txt" | sort -k3 -rn | head -40
-for f in bwd profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done
+for f in bwd fwd profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"
