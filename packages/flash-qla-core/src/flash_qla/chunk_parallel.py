@@ -169,10 +169,10 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
 
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with the dtypes of
     :func:`flash_qla.reference.chunk_gated_delta_rule_bwd_torch`. Memory (fp32; the
-    fallback and reference path of backends without a per-chunk gradient kernel): head-major copies of q, k, v, dO and A per chunk and the sweep terms
-    (k, E k, Ag, b, dS1) for all chunks at once, about 6 KB per token and value head
-    (~3 GB at 32k tokens x 16 heads), plus at most ``SLICE_BYTES`` of per-slice
-    intermediates.
+    fallback and reference path of backends without a per-chunk gradient kernel):
+    head-major copies of q, k, v, dO and A per chunk and the sweep terms (k, E k, Ag, b,
+    dS1) for all chunks at once, about 6 KB per token and value head (~3 GB at 32k
+    tokens x 16 heads), plus at most ``SLICE_BYTES`` of per-slice intermediates.
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]

@@ -4,8 +4,8 @@ One module per quantity computed: ``chunk_prepare`` (gate cumsum + gate-free inv
 ``chunk_fwd`` (the fused chunk recurrence); ``forward`` orchestrates them and
 ``chunk_layout`` builds the per-call chunk index; ``chunk_bwd_dh`` (the reverse
 state-gradient sweep), ``chunk_bwd_intra`` (every per-chunk gradient) and ``backward``
-(their orchestration) are the backward's. ``kernel_cache`` seeds TileLang's cache with the kernels compiled
-at build time, so the first call does not compile.
+(their orchestration) are the backward's. ``kernel_cache`` seeds TileLang's cache with
+the kernels compiled at build time, so the first call does not compile.
 """
 
 from __future__ import annotations
