@@ -118,9 +118,11 @@ def main(argv=None):
     from tabulate import tabulate
 
     if not torch.cuda.is_available():
-        print("tune_chunk_fwd.py needs a CUDA GPU (sm_90) and flash-qla-sm90; "
-              "use --compile-only without one.")
+        print("tune_chunk_fwd.py: needs a CUDA GPU (sm_90) and flash-qla[sm90] "
+              "(--compile-only works without one)", file=sys.stderr)
         return 2
+
+
     rows = []
     for spec in args.shapes.split(","):
         rows += run_shape(Shape.from_key(f"fwd:{spec}"), tilings, args)

@@ -17,6 +17,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmark", "bench_gated_delta_rule.py")
 PROFILE = os.path.join(REPO, "profile", "profile_gdr.py")
+TUNE = os.path.join(REPO, "benchmark", "tune_chunk_fwd.py")
 sys.path.insert(0, os.path.join(REPO, "benchmark"))
 import common as C  # noqa: E402
 
@@ -137,3 +138,26 @@ def test_static_unsupported_rules():
     assert C.static_unsupported("flashinfer", mha_bwd, hopper).startswith("unsupported")
     assert C.static_unsupported("fla", mha_bwd, {"device": "cpu"}).startswith("skipped")
     assert C.gpu_tag("NVIDIA H200") == "H200"
+
+
+def test_tune_help_and_tiling_parser():
+    p = _run([TUNE, "--help"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    for opt in ("--tilings", "--shapes", "--compile-only", "--cache-dir"):
+        assert opt in p.stdout
+    sys.path.insert(0, os.path.dirname(TUNE))
+    import tune_chunk_fwd
+
+    assert tune_chunk_fwd.parse_tiling("64x256") == (64, 256)
+    assert tune_chunk_fwd.parse_tiling("32x128x3") == (32, 128, 3)
+    with pytest.raises(Exception, match="BLOCK_VxTHREADS"):
+        tune_chunk_fwd.parse_tiling("64")
+
+
+@needs_ours
+@pytest.mark.skipif(_has_cuda(), reason="this machine has a CUDA GPU")
+def test_tune_without_gpu_one_clear_line_and_exit_2():
+    p = _run([TUNE, "--shapes", "2/4@1x64"], timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "CUDA GPU" in lines[0] and "flash-qla[sm90]" in lines[0], lines
