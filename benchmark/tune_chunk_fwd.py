@@ -114,14 +114,18 @@ def main(argv=None):
         return 0
 
     import torch
-    from common import Shape
-    from tabulate import tabulate
 
     if not torch.cuda.is_available():
         print("tune_chunk_fwd.py: needs a CUDA GPU (sm_90) and flash-qla[sm90] "
               "(--compile-only works without one)", file=sys.stderr)
         return 2
+    return tune(tilings, args)
 
+
+def tune(tilings, args) -> int:
+    """Run every shape x tiling and print the table."""
+    from common import Shape
+    from tabulate import tabulate
 
     rows = []
     for spec in args.shapes.split(","):
