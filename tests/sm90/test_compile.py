@@ -2,10 +2,13 @@
 
 They lower each kernel for the explicit sm_90a target into a fresh TileLang cache (so a
 warm cache cannot hide a broken build) and check that the generated CUDA uses the Hopper
-paths the design relies on: WGMMA for the GEMMs and TMA for the tile loads.
+paths the design relies on: WGMMA for the GEMMs and TMA for the tile loads, and that
+every offset into a token-sized tensor is computed in 64 bits.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -70,3 +73,46 @@ def test_backward_intra_kernel_compiles_to_wgmma(dtype):
 
     src = _source(chunk_bwd_intra_kernel, dtype, 128, 128)
     assert "wgmma" in src
+
+
+# Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
+_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx"}
+
+
+def _global_accesses(src: str):
+    """(pointer, index expression) of every ``p[...]`` and ``p + (...)`` in the kernel body,
+    for each pointer argument ``T* __restrict__ p`` of the kernel."""
+    body = src[src.index("__global__"):]
+    params = re.findall(r"\*\s*__restrict__\s+(\w+)", body[:body.index("{")])
+    found = []
+    pattern = r"\b(" + "|".join(params) + r")(\[|\s*\+\s*\()"
+    for m in re.finditer(pattern, body):
+        opening = m.group(2)[-1]
+        closing = {"[": "]", "(": ")"}[opening]
+        i, depth = m.end(), 1
+        while depth:
+            depth += (body[i] == opening) - (body[i] == closing)
+            i += 1
+        found.append((m.group(1), body[m.end():i - 1]))
+    return found
+
+
+@pytest.mark.parametrize("kernel", ["prepare", "fwd", "bwd_dh", "bwd_intra"])
+def test_global_indexing_is_64_bit(kernel):
+    """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
+    inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
+    from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
+    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
+    from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
+    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
+
+    builder, args = {
+        "prepare": (chunk_prepare_kernel, ("bfloat16", 128)),
+        "fwd": (chunk_fwd_kernel, ("bfloat16", 128, 128, True, True)),
+        "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
+        "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
+    }[kernel]
+    accesses = [(p, e) for p, e in _global_accesses(_source(builder, *args)) if p not in _SMALL]
+    assert accesses, "no global access found: the pattern no longer matches the codegen"
+    narrow = [(p, e[:100]) for p, e in accesses if "int64_t" not in e]
+    assert not narrow, narrow
