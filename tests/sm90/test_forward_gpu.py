@@ -116,6 +116,31 @@ def test_forward_matches_recurrence(case):
         assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
 
 
+# Grids that fit one wave at the narrow tiling (N * Hv * V / 32 <= 132): dense, GVA,
+# varlen with empty / length-1 / tail chunks and padding, fp16, strong gates.
+NARROW_CASES = [CASES[0], CASES[1], CASES[4], CASES[7], CASES[8], CASES[11], CASES[12],
+                CASES[14]]
+
+
+@pytest.mark.parametrize("case", NARROW_CASES, ids=lambda c: c.id)
+def test_narrow_tiling_matches_recurrence(case, monkeypatch):
+    """traits.FWD_NARROW_TILING on: the BLOCK_V_NARROW chunk_fwd against the fp64
+    recurrence (o, final state) and h against the torch backend."""
+    from flash_qla_sm90.kernels import forward, traits
+
+    monkeypatch.setattr(traits, "FWD_NARROW_TILING", True)
+    inp = make_inputs(case, seed=5)
+    N = len(case.lens) if case.lens else case.B
+    assert forward.fused_tiling(N, case.Hv, 128, forward._sm_count(inp["q"].device)) != ()
+    _, _, o, h, final = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True,
+                                                             output_h=True)
+    o_ref, final_ref = reference(inp)
+    tol = TOL[case.dtype]
+    assert rel_l2(o, o_ref) < tol and rel_l2(final, final_ref) < tol
+    h_ref = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_h=True, backend="torch")[3]
+    assert rel_l2(h.float(), h_ref.float()) < 5e-3
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12]], ids=lambda c: c.id)
 def test_agrees_with_torch_backend(case):
     inp = make_inputs(case, seed=3)

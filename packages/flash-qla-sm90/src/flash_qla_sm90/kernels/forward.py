@@ -3,8 +3,11 @@ fused chunk-recurrent kernel. Shapes follow ``flash_qla.backend.Kernels.fwd``.""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import traits
 from .chunk_fwd import chunk_fwd_kernel
 from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
 from .chunk_prepare import chunk_prepare_kernel
@@ -48,14 +51,37 @@ def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
     return int(layout.chunk_offsets[-1].item())   # host sync: h needs its size
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
+                 narrow: bool | None = None) -> tuple:
+    """``(block_v, threads)`` of ``chunk_fwd`` for a grid of ``num_seqs * Hv`` state
+    tiles: ``traits.BLOCK_V_NARROW`` when that grid still fits in one wave of
+    ``sm_count`` CTAs (one per SM), else ``()`` (the ``traits`` defaults). ``narrow``
+    None follows ``traits.FWD_NARROW_TILING``.
+
+    >>> fused_tiling(1, 8, 128, 132, narrow=True), fused_tiling(1, 64, 128, 132, narrow=True)
+    ((32, 256), ())
+    """
+    if narrow is None:
+        narrow = traits.FWD_NARROW_TILING
+    if narrow and num_seqs * Hv * (V // traits.BLOCK_V_NARROW) <= sm_count:
+        return (traits.BLOCK_V_NARROW, traits.FWD_THREADS)
+    return ()
+
+
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
-           num_chunks: int | None, alloc, tiling: tuple = ()):
+           num_chunks: int | None, alloc, tiling: tuple | None = None):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
-    ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads, stages)`` overriding
-    ``traits`` (tuning). Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
+    ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` overriding
+    :func:`fused_tiling`'s choice (tuning).
+    Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
     Hv, V = v.shape[1:]
@@ -65,6 +91,8 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
+    if tiling is None:
+        tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device))
     chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
         h0, float(scale), o, final_state, h)

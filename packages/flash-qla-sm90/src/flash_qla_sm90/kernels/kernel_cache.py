@@ -37,18 +37,20 @@ def use_shipped_cache() -> None:
 
 def variants():
     """Every (builder, args) the backend can launch; compiled ahead of time."""
+    from . import traits
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_prepare import chunk_prepare_kernel
-    from .traits import DTYPES, HEAD_DIMS
 
-    for dtype in DTYPES:
-        for K, V in HEAD_DIMS:
+    tilings = [()] + [(traits.BLOCK_V_NARROW, traits.FWD_THREADS)] * traits.FWD_NARROW_TILING
+    for dtype in traits.DTYPES:
+        for K, V in traits.HEAD_DIMS:
             yield chunk_prepare_kernel, (dtype, K)
             for has_h0 in (False, True):
                 for store_h in (False, True):
-                    yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h)
+                    for tiling in tilings:
+                        yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
             yield chunk_bwd_intra_kernel, (dtype, K, V)

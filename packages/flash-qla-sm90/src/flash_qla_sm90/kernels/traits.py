@@ -21,6 +21,14 @@ DTYPES = ("bfloat16", "float16")
 #: V columns of the state owned by one CTA of the fused forward (S tile K x BLOCK_V).
 BLOCK_V = 64
 
+#: Narrower state tile for grids far below one wave: with N * Hv * (V / BLOCK_V_NARROW)
+#: CTAs still fitting in one wave, BLOCK_V_NARROW doubles the CTAs for free (measured on
+#: the H200, 2/8 1x32768: chunk_fwd 2.77 -> 2.32 ms; slower wherever it adds a wave).
+#: Off until tests/sm90/test_forward_gpu.py::test_narrow_tiling_matches_recurrence has
+#: run on an H200 (the tiling was checked there only by benchmark/tune_chunk_fwd.py).
+BLOCK_V_NARROW = 32
+FWD_NARROW_TILING = False
+
 #: Threads of the fused forward's consumer warpgroups and of the prepare kernel.
 FWD_THREADS = 256
 PREPARE_THREADS = 128
