@@ -97,7 +97,9 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
             x_shared = T.alloc_shared((C, BV), dtype)
             ag_shared = T.alloc_shared((C, C), dtype)
             p_shared = T.alloc_shared((C, C), dtype)
-            u_frag = T.alloc_fragment((C, BV), f32)
+            # BLOCK_V 128 holds S in 64 registers per thread: U then reuses KS's registers
+            # (KS is dead once X is built); narrower tiles keep their own fragment.
+            u_frag = ks_frag if BV >= 128 else T.alloc_fragment((C, BV), f32)
             u_shared = T.alloc_shared((C, BV), dtype)
             du_shared = T.alloc_shared((C, BV), dtype)
             o_frag = T.alloc_fragment((C, BV), f32)
