@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
 # Prepare the offline GPU bundle on the CPU machine, once per checkout (~6 min):
 # TileLang + FLA (+ FlashQLA 0.1.3 as a peer) wheels, and every sm90 kernel compiled for
-# sm_90a into .offline-gpu/tilelang-cache, so device minutes go to running, not compiling.
+# sm_90a into a fresh .offline-gpu/tilelang-cache, so device minutes go to running, not
+# compiling. With ~/.cache/offline-gpu/gdn_prefill_sm90.so (built by
+#   ../shared/offline-gpu/build-flashinfer-gdn ~/.cache/offline-gpu/gdn_prefill_sm90.so
+# in ~1 h, in the background) FlashInfer 0.6.13 comes too, as an AOT module (no JIT there).
 # Then: `run` with carry [".offline-gpu"] and `bash tools/h200_session.sh`.
+# The device refuses a call whose tree + carry exceeds 64 MiB: the script checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 grep -qx '/.offline-gpu/' .git/info/exclude 2>/dev/null || echo /.offline-gpu/ >> .git/info/exclude
-FLASHQLA_PEER=1 ../shared/offline-gpu/make-bundle .offline-gpu --no-flashinfer
+FI_SO=${FLASHINFER_GDN_SO:-$HOME/.cache/offline-gpu/gdn_prefill_sm90.so}
+if [[ -f $FI_SO ]]; then
+  FLASHQLA_PEER=${FLASHQLA_PEER:-1} FLASHINFER_GDN_SO=$FI_SO ../shared/offline-gpu/make-bundle .offline-gpu
+else
+  FLASHQLA_PEER=${FLASHQLA_PEER:-1} ../shared/offline-gpu/make-bundle .offline-gpu --no-flashinfer
+fi
 python3 -m pip install -q torch==2.13.0 tilelang==0.1.15   # the compiler, CPU side
+rm -rf .offline-gpu/tilelang-cache        # stale entries of edited kernels only add size
 TILELANG_PRINT_ON_COMPILATION=0 \
   PYTHONPATH=packages/flash-qla-sm90/src:packages/flash-qla-core/src \
   python3 -m flash_qla_sm90.kernels.kernel_cache .offline-gpu/tilelang-cache
-du -sh .offline-gpu
+bytes=$(( $(du -sb .offline-gpu | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))
+echo "tree + .offline-gpu: $((bytes / 1048576)) MiB (the device refuses > 64 MiB)"
+(( bytes < 64 * 1048576 )) || { echo "too large: drop the FlashQLA peer (FLASHQLA_PEER=0) or FlashInfer" >&2; exit 1; }
