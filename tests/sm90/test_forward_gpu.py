@@ -118,7 +118,7 @@ def test_forward_matches_recurrence(case):
 
 # Grids that fit one wave at the narrow tiling (N * Hv * V / 32 <= 132): dense, GVA,
 # varlen with empty / length-1 / tail chunks and padding, fp16, strong gates.
-NARROW_CASES = [CASES[0], CASES[1], CASES[4], CASES[7], CASES[8], CASES[11], CASES[12],
+NARROW_CASES = [CASES[0], CASES[1], CASES[4], CASES[7], CASES[8], CASES[9], CASES[11],
                 CASES[14]]
 
 
