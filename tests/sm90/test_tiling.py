@@ -30,3 +30,13 @@ def test_narrow_variants_ship_only_when_enabled(monkeypatch):
     extra = [args for _, args in on if (_, args) not in off]
     assert len(on) == len(off) + 8                  # 2 dtypes x has_h0 x store_h
     assert all(args[-2:] == (traits.BLOCK_V_NARROW, traits.FWD_THREADS) for args in extra)
+
+
+def test_narrow_gpu_cases_take_the_narrow_tiling():
+    """The GPU test of the narrow tiling only holds cases that select it (132 SMs)."""
+    from flash_qla_sm90.kernels.forward import fused_tiling
+    from tests.sm90.test_forward_gpu import NARROW_CASES
+
+    for case in NARROW_CASES:
+        n = len(case.lens) if case.lens else case.B
+        assert fused_tiling(n, case.Hv, 128, 132, narrow=True) != (), case.id
