@@ -793,6 +793,8 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: unknown peer(s) {bad}; choose from {list(C.PEERS)}", file=sys.stderr)
         return 1
+    if args.device == "cpu" and args.quick and not args.shapes:
+        print("note: --quick is the GPU subset; on the CPU the tiny CPU set runs", file=sys.stderr)
     keys = (
         C.CPU_TINY if args.device == "cpu" and not args.shapes else C.QUICK if args.quick else None
     )

@@ -203,7 +203,7 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
     summary = C.format_table(rows, head)
 
     md = [
-        f"# Kernel profile, set '{args.set}': {meta['device_name']}",
+        f"# Kernel profile, set '{_set_name(args)}': {meta['device_name']}",
         "",
         "Written by `profile/profile_gdr.py`; do not edit by hand.",
         "",
@@ -258,8 +258,13 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
         f.write("\n".join(md))
     return "\n".join(
         [f"wrote {stem}{x}" for x in (".md", ".csv", ".json")]
-        + ["", f"Profile '{args.set}' ({meta['device_name']}), us per call:", summary]
+        + ["", f"Profile '{_set_name(args)}' ({meta['device_name']}), us per call:", summary]
     )
+
+
+def _set_name(args) -> str:
+    """The set's name; the CPU demo runs its own tiny configuration, not the set."""
+    return args.set if args.device == "cuda" else "cpu demo"
 
 
 def main(argv=None) -> int:
