@@ -69,7 +69,7 @@ def fused_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
     if narrow is None:
         narrow = traits.FWD_NARROW_TILING
     if narrow and num_seqs * Hv * (V // traits.BLOCK_V_NARROW) <= sm_count:
-        return (traits.BLOCK_V_NARROW, traits.FWD_THREADS)
+        return traits.FWD_NARROW
     return ()
 
 

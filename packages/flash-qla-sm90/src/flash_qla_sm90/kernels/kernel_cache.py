@@ -43,7 +43,7 @@ def variants():
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_prepare import chunk_prepare_kernel
 
-    tilings = [()] + [(traits.BLOCK_V_NARROW, traits.FWD_THREADS)] * traits.FWD_NARROW_TILING
+    tilings = [(), traits.FWD_NARROW] if traits.FWD_NARROW_TILING else [()]
     for dtype in traits.DTYPES:
         for K, V in traits.HEAD_DIMS:
             yield chunk_prepare_kernel, (dtype, K)

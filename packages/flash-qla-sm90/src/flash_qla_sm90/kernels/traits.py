@@ -33,6 +33,9 @@ FWD_NARROW_TILING = False
 FWD_THREADS = 256
 PREPARE_THREADS = 128
 
+#: ``chunk_fwd`` tiling arguments (block_v, threads) of the narrow tile.
+FWD_NARROW = (BLOCK_V_NARROW, FWD_THREADS)
+
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
 
