@@ -178,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tim.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph column")
     tim.add_argument(
+        "--fla-tune-rep-ms",
+        type=float,
+        default=None,
+        help="repetition time (ms; warm-up a quarter of it) of each config FLA's Triton "
+        "autotuner times on each shape (default: Triton's 100 / 25). Lower it to fit many "
+        "shapes in a time budget: FLA still tunes on every shape, over the same configs",
+    )
+    tim.add_argument(
         "--cold-first-call",
         action="store_true",
         help="also measure first-call latency with empty Triton, TileLang and "
@@ -344,6 +352,7 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
         "ours_backend": args.ours_backend,
         "ours_segment_len": args.ours_segment_len,
+        "fla_tune_rep_ms": args.fla_tune_rep_ms,
         "capability": info.get("capability"),
     }
     bar = C.progress(shapes, desc=f"benchmark ({args.device})")
@@ -591,7 +600,10 @@ def render(meta: dict, rows: dict, out_dir: str, tag: str, tol: float) -> str:
             "- timing: triton.testing.do_bench median (L2 flushed before each call; input "
             "buffers rotated below 60 MB); eager includes host launch overhead, graph = "
             "CUDA-graph replay; each (implementation, config) in a fresh process, FLA "
-            "autotuned on that shape (FLA_CACHE_RESULTS=0)"
+            "autotuned on that shape (FLA_CACHE_RESULTS=0"
+            + (f"; {meta['fla_tune_rep_ms']:g} ms per config" if meta.get("fla_tune_rep_ms")
+               else "")
+            + ")"
         )
         if on_gpu
         else (
@@ -856,6 +868,7 @@ def main(argv=None) -> int:
             "gate": args.gate,
             "seed": args.seed,
             "dense_batch": args.dense_batch,
+            "fla_tune_rep_ms": args.fla_tune_rep_ms,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "git": git_rev(),
             "command": " ".join(

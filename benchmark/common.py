@@ -459,10 +459,25 @@ class Ours(Impl):
         return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"], **kw)
 
 
+def _shorten_triton_autotuning(rep_ms: float) -> None:
+    """Make every Triton autotuner of this process time each config for ``rep_ms`` (warm-up
+    ``rep_ms / 4``) instead of Triton's 100 / 25 ms. Triton 3.x reads ``Autotuner.do_bench``
+    (a property) at each tuning; autotuners given their own ``do_bench`` keep it."""
+    import functools
+
+    from triton.runtime.autotuner import Autotuner
+    from triton.testing import do_bench
+
+    short = functools.partial(do_bench, warmup=rep_ms / 4, rep=rep_ms)
+    Autotuner.do_bench = property(lambda self: self._do_bench or short)
+
+
 class FLA(Impl):
     name = "fla"
 
     def load(self, ctx):
+        if ctx.get("fla_tune_rep_ms"):
+            _shorten_triton_autotuning(ctx["fla_tune_rep_ms"])
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

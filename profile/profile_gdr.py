@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="backend= for our function (default automatic; 'torch' on cpu)",
     )
+    p.add_argument(
+        "--fla-tune-rep-ms",
+        type=float,
+        default=None,
+        help="repetition time (ms) of each config FLA's autotuner times (default: "
+        "Triton's 100; see benchmark --help)",
+    )
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default profile/results)")
     return p
 
@@ -301,6 +308,7 @@ def main(argv=None) -> int:
             "iters": args.iters,
             "bwd": not args.skip_bwd,
             "ours_backend": args.ours_backend,
+            "fla_tune_rep_ms": args.fla_tune_rep_ms,
             "capability": info.get("capability"),
         }
         results = []

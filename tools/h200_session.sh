@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call (fits the 10-minute limit). Stages, chosen with STAGES="...":
-#   tests     pytest -m gpu (forward, backward, segments; chunk_bwd_dh check isolated)
+#   tests     pytest -m gpu (forward, backward, segments), TEST_FILTER (-k) selecting
+#   dh        the chunk_bwd_dh sweep check (isolated: it is the slowest)
 #   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
 #   bwd       forward+backward timings of ours (bench --mode bwd)
 #   fwd       forward timings of ours, eager and graphed (bench --mode fwd)
 #   profile   per-kernel profile of ours, develop set
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes ~60 s per shape)
-#   ncu       Nsight Compute warp-stall breakdown of one chunk_fwd launch (if ncu exists)
+#   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
+#             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists)
 # Results: one archive $OUT/results.tar.xz (the device returns at most 8 files); tables
 # printed last. Usage (on the lent H200, repo root, .offline-gpu carried):
 #   STAGES="tests tune" bash tools/h200_session.sh
@@ -21,10 +23,12 @@ PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs"
 if has tests; then
   timeout 240 $PT tests -m gpu -k "${TEST_FILTER:-not dh_kernel}" > "$R/gpu-tests.txt" 2>&1
+fi
+if has dh; then
   timeout 60 $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$R/gpu-dh.txt" 2>&1
 fi
 if has tune; then
-  timeout 150 python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
+  timeout "${TUNE_TIMEOUT:-150}" python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
 fi
 if has bwd; then
   timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
@@ -42,11 +46,12 @@ fi
 if has ncu; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
-    timeout 150 "$NCU" --kernel-name regex:chunk_fwd --launch-count 1 \
+    timeout 150 "$NCU" --kernel-name "regex:${NCU_KERNEL:-chunk_fwd}" --launch-count 1 \
       --section WarpStateStats --section SchedulerStats --section LaunchStats \
       --section Occupancy --section ComputeWorkloadAnalysis --section SpeedOfLight \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-      python3 benchmark/tune_chunk_fwd.py --tilings 64x256 --shapes "${NCU_SHAPE:-2/8@1x8192}" \
+      python3 benchmark/tune_chunk_fwd.py --tilings "${NCU_TILING:-64x256}" \
+      --shapes "${NCU_SHAPE:-2/8@1x8192}" \
       > "$R/ncu.txt" 2>&1
   else
     echo "no ncu on this host" > "$R/ncu.txt"

@@ -120,15 +120,22 @@ def test_forward_matches_recurrence(case):
 # varlen with empty / length-1 / tail chunks and padding, fp16, strong gates.
 NARROW_CASES = [CASES[0], CASES[1], CASES[4], CASES[7], CASES[8], CASES[9], CASES[11],
                 CASES[14]]
+# Grids of more than one wave at BLOCK_V 64 (N * Hv * 2 > 132): the wide tiling.
+WIDE_CASES = [CASES[3], CASES[12], CASES[13], Case(8, 500, 4, 16, dtype=torch.float16),
+              Case(4, 1000, 8, 32, gate="strong", h0=False),
+              _varlen(_lens(70, 0, 130, seed=2), 1, 1, pad=3, gate="zero")]
 
 
-@pytest.mark.parametrize("case", NARROW_CASES, ids=lambda c: c.id)
-def test_narrow_tiling_matches_recurrence(case, monkeypatch):
-    """traits.FWD_NARROW_TILING on: the BLOCK_V_NARROW chunk_fwd against the fp64
-    recurrence (o, final state) and h against the torch backend."""
+@pytest.mark.parametrize("case, flag", [(c, "FWD_NARROW_TILING") for c in NARROW_CASES]
+                         + [(c, "FWD_WIDE_TILING") for c in WIDE_CASES],
+                         ids=lambda x: x if isinstance(x, str) else x.id)
+def test_tiling_matches_recurrence(case, flag, monkeypatch):
+    """Each per-call tiling (narrow: BLOCK_V_NARROW, wide: BLOCK_V_WIDE) switched on, on
+    grids that select it: o and the final state against the fp64 recurrence, h against
+    the torch backend."""
     from flash_qla_sm90.kernels import forward, traits
 
-    monkeypatch.setattr(traits, "FWD_NARROW_TILING", True)
+    monkeypatch.setattr(traits, flag, True)
     inp = make_inputs(case, seed=5)
     N = len(case.lens) if case.lens else case.B
     assert forward.fused_tiling(N, case.Hv, 128, forward._sm_count(inp["q"].device)) != ()
@@ -139,6 +146,8 @@ def test_narrow_tiling_matches_recurrence(case, monkeypatch):
     assert rel_l2(o, o_ref) < tol and rel_l2(final, final_ref) < tol
     h_ref = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_h=True, backend="torch")[3]
     assert rel_l2(h.float(), h_ref.float()) < 5e-3
+    if case.pad:
+        assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12]], ids=lambda c: c.id)
@@ -160,6 +169,30 @@ def test_bitwise_deterministic():
     for a, b in zip(first, again):
         if a is not None:
             assert torch.equal(a, b)
+
+
+# NaN / Inf in tokens after cu_seqlens[-1] (a CUDA-graph bucket padded with stale memory),
+# at every narrow / default / wide tiling: last chunks that end mid-chunk read them.
+POISON_CASES = [CASES[11], _varlen(_lens(10, 1, 300, seed=4), 2, 4, pad=20), CASES[12],
+                _varlen(_lens(80, 1, 150, seed=3), 2, 4, pad=41)]
+
+
+@pytest.mark.parametrize("case", POISON_CASES, ids=lambda c: c.id)
+def test_nan_padding_never_reaches_valid_tokens(case):
+    """Valid tokens' o and the final states are bitwise those of the same call with zero
+    padding; padding tokens' o is 0."""
+    inp = make_inputs(case, seed=7)
+    clean = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True)
+    pad = slice(case.T - case.pad, case.T)
+    for name, bad in (("q", float("nan")), ("k", float("nan")), ("v", float("inf")),
+                      ("g", float("nan")), ("beta", float("nan"))):
+        inp[name] = inp[name].clone()
+        inp[name][:, pad] = bad
+    dirty = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True)
+    o_clean, o_dirty = clean[2], dirty[2]
+    assert torch.equal(o_dirty[:, :pad.start], o_clean[:, :pad.start])
+    assert torch.equal(o_dirty[:, pad], torch.zeros_like(o_dirty[:, pad]))
+    assert torch.equal(dirty[4], clean[4])
 
 
 def test_high_level_options():

@@ -13,30 +13,58 @@ def test_narrow_tiling_only_while_the_grid_fits_one_wave():
 
     narrow = (traits.BLOCK_V_NARROW, traits.FWD_THREADS)
     # 1 x 8 heads x 4 tiles = 32 CTAs; 33 x 1 x 4 = 132 (exactly one wave); 264: two waves
-    assert fused_tiling(1, 8, 128, 132, narrow=True) == narrow
-    assert fused_tiling(33, 1, 128, 132, narrow=True) == narrow
-    assert fused_tiling(66, 1, 128, 132, narrow=True) == ()
-    assert fused_tiling(1, 8, 128, 132, narrow=False) == ()
-    assert fused_tiling(1, 8, 128, 132) == (narrow if traits.FWD_NARROW_TILING else ())
+    assert fused_tiling(1, 8, 128, 132, narrow=True, wide=False) == narrow
+    assert fused_tiling(33, 1, 128, 132, narrow=True, wide=False) == narrow
+    assert fused_tiling(66, 1, 128, 132, narrow=True, wide=False) == ()
+    assert fused_tiling(1, 8, 128, 132, narrow=False, wide=False) == ()
 
 
-def test_narrow_variants_ship_only_when_enabled(monkeypatch):
+def test_wide_tiling_only_past_one_wave_of_default_tiles():
+    from flash_qla_sm90.kernels import traits
+    from flash_qla_sm90.kernels.forward import fused_tiling
+
+    wide = (traits.BLOCK_V_WIDE, traits.FWD_THREADS)
+    # BLOCK_V 64: 66 x 2 = 132 CTAs is one wave (default), 67 x 2 = 134 is two (wide)
+    assert fused_tiling(66, 1, 128, 132, narrow=True, wide=True) == ()
+    assert fused_tiling(67, 1, 128, 132, narrow=True, wide=True) == wide
+    assert fused_tiling(8, 32, 128, 132, narrow=True, wide=True) == wide
+    assert fused_tiling(8, 32, 128, 132, narrow=True, wide=False) == ()
+    assert fused_tiling(1, 8, 128, 132, narrow=True, wide=True) == (traits.BLOCK_V_NARROW,
+                                                                     traits.FWD_THREADS)
+
+
+def test_defaults_follow_traits():
+    from flash_qla_sm90.kernels import traits
+    from flash_qla_sm90.kernels.forward import fused_tiling
+
+    assert fused_tiling(1, 8, 128, 132) == fused_tiling(
+        1, 8, 128, 132, traits.FWD_NARROW_TILING, traits.FWD_WIDE_TILING)
+    assert fused_tiling(8, 32, 128, 132) == fused_tiling(
+        8, 32, 128, 132, traits.FWD_NARROW_TILING, traits.FWD_WIDE_TILING)
+
+
+@pytest.mark.parametrize("flag, tiling", [("FWD_NARROW_TILING", "FWD_NARROW"),
+                                          ("FWD_WIDE_TILING", "FWD_WIDE")])
+def test_tiling_variants_ship_only_when_enabled(monkeypatch, flag, tiling):
     from flash_qla_sm90.kernels import kernel_cache, traits
 
-    monkeypatch.setattr(traits, "FWD_NARROW_TILING", False)
+    monkeypatch.setattr(traits, flag, False)
     off = list(kernel_cache.variants())
-    monkeypatch.setattr(traits, "FWD_NARROW_TILING", True)
+    monkeypatch.setattr(traits, flag, True)
     on = list(kernel_cache.variants())
     extra = [args for _, args in on if (_, args) not in off]
     assert len(on) == len(off) + 8                  # 2 dtypes x has_h0 x store_h
-    assert all(args[-2:] == (traits.BLOCK_V_NARROW, traits.FWD_THREADS) for args in extra)
+    assert all(args[-2:] == getattr(traits, tiling) for args in extra)
 
 
-def test_narrow_gpu_cases_take_the_narrow_tiling():
-    """The GPU test of the narrow tiling only holds cases that select it (132 SMs)."""
+@pytest.mark.parametrize("cases, which", [("NARROW_CASES", "narrow"), ("WIDE_CASES", "wide")])
+def test_gpu_tiling_cases_take_their_tiling(cases, which):
+    """The GPU tests of each tiling only hold cases that select it (132 SMs)."""
+    from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.forward import fused_tiling
-    from tests.sm90.test_forward_gpu import NARROW_CASES
+    from tests.sm90 import test_forward_gpu
 
-    for case in NARROW_CASES:
+    expected = traits.FWD_NARROW if which == "narrow" else traits.FWD_WIDE
+    for case in getattr(test_forward_gpu, cases):
         n = len(case.lens) if case.lens else case.B
-        assert fused_tiling(n, case.Hv, 128, 132, narrow=True) != (), case.id
+        assert fused_tiling(n, case.Hv, 128, 132, narrow=True, wide=True) == expected, case.id

@@ -13,7 +13,8 @@ computes (gdn-math.md, "Chunked form"; rows i, j of the chunk, gam = chunk cumsu
 
 Only o, the final state and (on request) the chunk-start states h reach global memory.
 Every exponent is <= 0 and evaluated as exp2 of log2-scaled gates. Rows past the end of
-the sequence are masked: they read the last valid gam, get beta = 0, and are not stored.
+the sequence are masked: they read the last valid gam, get beta = 0, their X and K rows
+are zeroed (so NaN/Inf in padding never reaches a GEMM as 0 * NaN), and are not stored.
 
 Schedule (v2). The S chain of a chunk is S0 -> KS -> X -> U -> S1; everything else
 hangs off it. GEMMs are issued asynchronously (``T.wgmma_gemm``) where their result is
@@ -168,13 +169,22 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
                         0.0)
                 T.gemm(q_shared, s_shared, o_frag, clear_accum=True)                     # Q S0
                 for i, j in T.Parallel(C, BV):
-                    x_shared[i, j] = v_shared[i, j] - eg_shared[i] * ks_frag[i, j]
+                    x_shared[i, j] = T.if_then_else(
+                        i < rows, v_shared[i, j] - eg_shared[i] * ks_frag[i, j], 0.0)
                 T.wgmma_gemm(ag_shared, x_shared, u_frag, clear_accum=True)              # U = Ag X
                 for i, j in T.Parallel(C, C):
                     p_shared[i, j] = T.if_then_else(
                         (i >= j) & (i < rows),
                         qk_frag[i, j] * T.exp2(gam_shared[i] - gam_shared[j]), 0.0)
                 T.wait_wgmma(0)                                                           # U
+                # A sequence's last chunk reads rows of the next sequence or of padding,
+                # which may hold NaN/Inf: X's rows past the end are selected to 0 above,
+                # and K's are zeroed here (K S0 and Q K^T have completed; only their
+                # masked rows/columns read them), since K^T (D U) would make 0 * NaN = NaN.
+                if rows < C:
+                    for i, j in T.Parallel(C, K):
+                        if i >= rows:
+                            k_shared[i, j] = T.cast(0, dtype)
                 for i, j in T.Parallel(C, BV):
                     u_shared[i, j] = u_frag[i, j]
                     du_shared[i, j] = ed_shared[i] * u_frag[i, j]

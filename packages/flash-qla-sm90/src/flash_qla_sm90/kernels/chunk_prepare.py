@@ -42,14 +42,8 @@ def chunk_prepare_kernel(dtype: str, K: int):
     f32 = "float32"
 
     @T.macro
-    def load_chunk(k, g, beta, k_shared, kkt_frag, nt_shared, g_shared, beta_shared,
-                   slot, h, hk, t0, rows):
-        """One chunk into pair slot ``slot``: its gates, and N^T from a WGMMA K K^T."""
-        T.copy(k[t0:t0 + C, hk, :], k_shared)
-        T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
-        for i in T.Parallel(C):
-            beta_shared[slot, i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
-            g_shared[slot, i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
+    def build_nt(kkt_frag, nt_shared, beta_shared, slot, rows):
+        """N^T of pair slot ``slot`` from its K K^T (rows past the end: zero)."""
         for i, j in T.Parallel(C, C):
             nt_shared[slot, j, i] = T.if_then_else(
                 (i > j) & (i < rows), beta_shared[slot, i] * kkt_frag[i, j], 0.0)
@@ -98,20 +92,32 @@ def chunk_prepare_kernel(dtype: str, K: int):
             seq0 = T.alloc_var("int32", init=chunk_idx[c0, 0])
             seq1 = T.alloc_var("int32", init=T.if_then_else(
                 c0 + 1 < NTmax, chunk_idx[T.min(c0 + 1, NTmax - 1), 0], -1))
-            t00 = T.alloc_var("int32", init=0)
-            t01 = T.alloc_var("int32", init=0)
-            rows0 = T.alloc_var("int32", init=0)
-            rows1 = T.alloc_var("int32", init=0)
-            if seq0 >= 0:
-                t00 = cu_seqlens[seq0] + chunk_idx[c0, 1] * C
-                rows0 = T.min(cu_seqlens[seq0 + 1] - t00, C)                  # 1..C
-                load_chunk(k, g, beta, k0_shared, kkt0_frag, nt_shared, g_shared,
-                           beta_shared, 0, h, hk, t00, rows0)
-            if seq1 >= 0:
-                t01 = cu_seqlens[seq1] + chunk_idx[c0 + 1, 1] * C
-                rows1 = T.min(cu_seqlens[seq1 + 1] - t01, C)
-                load_chunk(k, g, beta, k1_shared, kkt1_frag, nt_shared, g_shared,
-                           beta_shared, 1, h, hk, t01, rows1)
+            # Every global load of both chunks is issued before the first wait: the
+            # token offsets, then k, g and beta of both slots together (a slot without a
+            # chunk reads rows 0.. of its head and keeps rows = 0, so all is masked).
+            t00 = T.alloc_var("int32", init=T.if_then_else(
+                seq0 >= 0, cu_seqlens[T.max(seq0, 0)] + chunk_idx[c0, 1] * C, 0))
+            t01 = T.alloc_var("int32", init=T.if_then_else(
+                seq1 >= 0, cu_seqlens[T.max(seq1, 0)]
+                + chunk_idx[T.min(c0 + 1, NTmax - 1), 1] * C, 0))
+            rows0 = T.alloc_var("int32", init=T.if_then_else(
+                seq0 >= 0, T.min(cu_seqlens[T.max(seq0, 0) + 1] - t00, C), 0))   # 0..C
+            rows1 = T.alloc_var("int32", init=T.if_then_else(
+                seq1 >= 0, T.min(cu_seqlens[T.max(seq1, 0) + 1] - t01, C), 0))
+            for sl, i in T.Parallel(2, C):
+                beta_shared[sl, i] = T.if_then_else(
+                    i < T.if_then_else(sl == 0, rows0, rows1),
+                    beta[T.if_then_else(sl == 0, t00, t01) + i, h], 0.0)
+                g_shared[sl, i] = T.if_then_else(
+                    i < T.if_then_else(sl == 0, rows0, rows1),
+                    g[T.if_then_else(sl == 0, t00, t01) + i, h], 0.0)
+            T.copy(k[t00:t00 + C, hk, :], k0_shared)
+            T.copy(k[t01:t01 + C, hk, :], k1_shared)
+            T.wgmma_gemm(k0_shared, k0_shared, kkt0_frag, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(k1_shared, k1_shared, kkt1_frag, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            build_nt(kkt0_frag, nt_shared, beta_shared, 0, rows0)
+            build_nt(kkt1_frag, nt_shared, beta_shared, 1, rows1)
 
             tx = T.get_thread_binding()
             slot = T.alloc_var("int32", init=tx // C)        # warps 0-1: slot 0, 2-3: slot 1

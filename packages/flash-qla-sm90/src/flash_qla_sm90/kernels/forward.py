@@ -57,19 +57,30 @@ def _sm_count(device: torch.device) -> int:
 
 
 def fused_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
-                 narrow: bool | None = None) -> tuple:
+                 narrow: bool | None = None, wide: bool | None = None) -> tuple:
     """``(block_v, threads)`` of ``chunk_fwd`` for a grid of ``num_seqs * Hv`` state
-    tiles: ``traits.BLOCK_V_NARROW`` when that grid still fits in one wave of
-    ``sm_count`` CTAs (one per SM), else ``()`` (the ``traits`` defaults). ``narrow``
-    None follows ``traits.FWD_NARROW_TILING``.
+    tiles, one CTA per SM (the kernel's occupancy):
 
-    >>> fused_tiling(1, 8, 128, 132, narrow=True), fused_tiling(1, 64, 128, 132, narrow=True)
+    - ``traits.FWD_NARROW`` while ``num_seqs * Hv * V / BLOCK_V_NARROW`` CTAs still fit
+      in one wave of ``sm_count`` (few long sequences at few heads: more SMs busy);
+    - ``traits.FWD_WIDE`` once ``BLOCK_V`` tiles need more than one wave (one CTA per
+      (sequence, head): Q K^T, Ag and P are computed once instead of per V tile);
+    - else ``()`` (the ``traits`` defaults).
+
+    ``narrow`` / ``wide`` None follow ``traits.FWD_NARROW_TILING`` / ``FWD_WIDE_TILING``.
+
+    >>> fused_tiling(1, 8, 128, 132, True, True), fused_tiling(1, 64, 128, 132, True, True)
     ((32, 256), ())
+    >>> fused_tiling(8, 16, 128, 132, True, True)
+    (128, 256)
     """
-    if narrow is None:
-        narrow = traits.FWD_NARROW_TILING
-    if narrow and num_seqs * Hv * (V // traits.BLOCK_V_NARROW) <= sm_count:
+    narrow = traits.FWD_NARROW_TILING if narrow is None else narrow
+    wide = traits.FWD_WIDE_TILING if wide is None else wide
+    tiles = num_seqs * Hv
+    if narrow and tiles * (V // traits.BLOCK_V_NARROW) <= sm_count:
         return traits.FWD_NARROW
+    if wide and V >= traits.BLOCK_V_WIDE and tiles * (V // traits.BLOCK_V) > sm_count:
+        return traits.FWD_WIDE
     return ()
 
 

@@ -43,7 +43,8 @@ def variants():
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_prepare import chunk_prepare_kernel
 
-    tilings = [(), traits.FWD_NARROW] if traits.FWD_NARROW_TILING else [()]
+    tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
+                                      (traits.FWD_WIDE, traits.FWD_WIDE_TILING)) if on]
     for dtype in traits.DTYPES:
         for K, V in traits.HEAD_DIMS:
             yield chunk_prepare_kernel, (dtype, K)

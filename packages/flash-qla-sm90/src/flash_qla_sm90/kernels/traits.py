@@ -24,17 +24,22 @@ BLOCK_V = 64
 #: Narrower state tile for grids far below one wave: with N * Hv * (V / BLOCK_V_NARROW)
 #: CTAs still fitting in one wave, BLOCK_V_NARROW doubles the CTAs for free (measured on
 #: the H200, 2/8 1x32768: chunk_fwd 2.77 -> 2.32 ms; slower wherever it adds a wave).
-#: Off until tests/sm90/test_forward_gpu.py::test_narrow_tiling_matches_recurrence has
-#: run on an H200 (the tiling was checked there only by benchmark/tune_chunk_fwd.py).
 BLOCK_V_NARROW = 32
-FWD_NARROW_TILING = False
+FWD_NARROW_TILING = True
+
+#: Wider state tile for grids of more than one wave at BLOCK_V: one CTA per (sequence,
+#: value head) computes Q K^T, Ag and P once for all V columns instead of once per tile,
+#: so the grid needs half the waves.
+BLOCK_V_WIDE = 128
+FWD_WIDE_TILING = True
 
 #: Threads of the fused forward's consumer warpgroups and of the prepare kernel.
 FWD_THREADS = 256
 PREPARE_THREADS = 128
 
-#: ``chunk_fwd`` tiling arguments (block_v, threads) of the narrow tile.
+#: ``chunk_fwd`` tiling arguments (block_v, threads) of the narrow and wide tiles.
 FWD_NARROW = (BLOCK_V_NARROW, FWD_THREADS)
+FWD_WIDE = (BLOCK_V_WIDE, FWD_THREADS)
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
