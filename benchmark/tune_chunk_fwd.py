@@ -10,7 +10,9 @@ next to its time. Times are CUDA-event medians (``triton.testing.do_bench``).
     python benchmark/tune_chunk_fwd.py --compile-only --cache-dir .offline-gpu/tilelang-cache
 
 ``--compile-only`` builds every tiling for sm_90a without a GPU (TileLang's cache), so the
-device's minutes go to running. Prints one table (ms and error per shape x tiling).
+device's minutes go to running. Prints one table: ms and error per shape x tiling, and
+"us/chunk" = ms / (waves of one CTA per SM x chunks of the longest sequence), the
+per-chunk cost that ``traits.FWD_CHUNK_US`` (the tiling choice's cost model) holds.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ def run_shape(shape, tilings, args):
         prep(k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
 
     prepare()
-    rows = [[shape.label, "prepare", "", bench(prepare)]]
+    rows = [[shape.label, "prepare", "", bench(prepare), ""]]
+    lens = inp["cu_seqlens_cpu"].diff()
+    longest = int((lens.max() + 63) // 64)                 # chunks of the longest sequence
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     q_p, v_p = _packed(q), _packed(v)
     for t in tilings:
         def fused(t=t):
@@ -82,7 +87,10 @@ def run_shape(shape, tilings, args):
 
         o, final, _ = fused()
         err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
-        rows.append([shape.label, "x".join(map(str, t)), f"{err:.1e}", bench(fused)])
+        ms = bench(fused)
+        rounds = -(-len(lens) * Hv * (128 // t[0]) // sms)      # waves of one CTA per SM
+        rows.append([shape.label, "x".join(map(str, t)), f"{err:.1e}", ms,
+                     round(ms * 1e3 / (rounds * longest), 2)])
     return rows
 
 
@@ -133,7 +141,8 @@ def tune(tilings, args) -> int:
     for spec in args.shapes.split(","):
         rows += run_shape(Shape.from_key(f"fwd:{spec}"), tilings, args)
         print(tabulate(rows[-len(tilings) - 1:], tablefmt="plain"), flush=True)
-    print(tabulate(rows, headers=["shape", "kernel", "err vs torch", "ms"], tablefmt="github"))
+    print(tabulate(rows, headers=["shape", "kernel", "err vs torch", "ms", "us/chunk"],
+                   tablefmt="github"))
     return 0
 
 

@@ -3,10 +3,11 @@
 #   tests     pytest -m gpu (forward, backward, segments), TEST_FILTER (-k) selecting
 #   dh        the chunk_bwd_dh sweep check (isolated: it is the slowest)
 #   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
-#   bwd       forward+backward timings of ours (bench --mode bwd)
+#   bwd       forward+backward timings of ours and BWD_PEERS (bench --mode bwd)
 #   fwd       forward timings of ours, eager and graphed (bench --mode fwd)
 #   profile   per-kernel profile of ours, develop set
-#   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes ~60 s per shape)
+#   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes every shape, each
+#             config timed FLA_TUNE_REP_MS, default 20 ms, instead of Triton's 100)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
 #             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists)
 # Results: one archive $OUT/results.tar.xz (the device returns at most 8 files); tables
@@ -31,7 +32,8 @@ if has tune; then
   timeout "${TUNE_TIMEOUT:-150}" python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
 fi
 if has bwd; then
-  timeout 120 $B --mode bwd --peers none --tag H200-bwd --deadline-s 90 \
+  timeout "${BWD_TIMEOUT:-120}" $B --mode bwd --peers "${BWD_PEERS:-none}" --tag H200-bwd \
+    --deadline-s $(( ${BWD_TIMEOUT:-120} - 80 )) --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
     --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" > "$R/bwd.txt" 2>&1
 fi
 if has fwd; then   # ours alone on forward-grid rows, eager and CUDA-graph replay
@@ -59,6 +61,7 @@ if has ncu; then
 fi
 if has fla; then
   timeout 200 $B --mode fwd --peers fla --tag H200-fla --deadline-s 170 \
+    --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .

@@ -47,14 +47,21 @@ def test_defaults_follow_traits():
                                           ("FWD_WIDE_TILING", "FWD_WIDE")])
 def test_tiling_variants_ship_only_when_enabled(monkeypatch, flag, tiling):
     from flash_qla_sm90.kernels import kernel_cache, traits
+    from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
+    from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
 
     monkeypatch.setattr(traits, flag, False)
     off = list(kernel_cache.variants())
     monkeypatch.setattr(traits, flag, True)
     on = list(kernel_cache.variants())
-    extra = [args for _, args in on if (_, args) not in off]
-    assert len(on) == len(off) + 8                  # 2 dtypes x has_h0 x store_h
-    assert all(args[-2:] == getattr(traits, tiling) for args in extra)
+    extra = [(b, args) for b, args in on if (b, args) not in off]
+    fwd = [args for b, args in extra if b is chunk_fwd_kernel]
+    assert len(fwd) == 8                            # 2 dtypes x has_h0 x store_h
+    assert all(args[-2:] == getattr(traits, tiling) for args in fwd)
+    # the narrow tiling also has the reverse sweep (2 dtypes x has_dht)
+    dh = [args for b, args in extra if b is chunk_bwd_dh_kernel]
+    assert len(dh) == (4 if flag == "FWD_NARROW_TILING" else 0)
+    assert len(extra) == len(fwd) + len(dh)
 
 
 @pytest.mark.parametrize("cases, which", [("NARROW_CASES", "narrow"), ("WIDE_CASES", "wide")])

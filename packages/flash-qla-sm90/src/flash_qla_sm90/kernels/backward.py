@@ -17,7 +17,15 @@ from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
 
 from . import traits
 from .chunk_bwd_dh import chunk_bwd_dh_kernel
-from .forward import _DTYPE_NAMES, _fused, _packed, layout_for, total_chunks
+from .forward import (
+    _DTYPE_NAMES,
+    _fused,
+    _packed,
+    _sm_count,
+    fused_tiling,
+    layout_for,
+    total_chunks,
+)
 
 
 def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
@@ -41,7 +49,9 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
                       device=q.device)
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
-    chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht)(
+    # the forward's tiling rule, narrow or default (the sweep has no wide variant)
+    tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
+    chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *tiling[:1])(
         _packed(q), _packed(k), _packed(do), _packed(g_cumsum, torch.float32),
         _packed(beta, torch.float32), _packed(A), layout.cu_seqlens, layout.chunk_offsets,
         dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0)

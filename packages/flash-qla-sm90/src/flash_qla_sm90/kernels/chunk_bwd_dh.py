@@ -23,8 +23,9 @@ from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGE
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool):
-    """Build the reverse dS sweep for one static configuration.
+def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int = BLOCK_V):
+    """Build the reverse dS sweep for one static configuration (``block_v`` columns of dS
+    per CTA: ``traits.BLOCK_V``, or ``BLOCK_V_NARROW`` for grids far below one wave).
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences):
         q, k            [Tt, Hk, K]     dtype
@@ -38,7 +39,7 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool):
         dS1             [NT, Hv, K, V]  fp32 out, state gradient at each chunk's end
         dh0             [N, Hv, K, V]   fp32 out
     """
-    C, BV = CHUNK, BLOCK_V
+    C, BV = CHUNK, block_v
     Tt, Hk, Hv, N, N1, NT = T.dynamic("Tt, Hk, Hv, N, N1, NT")
     f32 = "float32"
 

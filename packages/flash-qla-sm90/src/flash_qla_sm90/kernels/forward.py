@@ -58,30 +58,32 @@ def _sm_count(device: torch.device) -> int:
 
 def fused_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
                  narrow: bool | None = None, wide: bool | None = None) -> tuple:
-    """``(block_v, threads)`` of ``chunk_fwd`` for a grid of ``num_seqs * Hv`` state
-    tiles, one CTA per SM (the kernel's occupancy):
-
-    - ``traits.FWD_NARROW`` while ``num_seqs * Hv * V / BLOCK_V_NARROW`` CTAs still fit
-      in one wave of ``sm_count`` (few long sequences at few heads: more SMs busy);
-    - ``traits.FWD_WIDE`` once ``BLOCK_V`` tiles need more than one wave (one CTA per
-      (sequence, head): Q K^T, Ag and P are computed once instead of per V tile);
-    - else ``()`` (the ``traits`` defaults).
-
-    ``narrow`` / ``wide`` None follow ``traits.FWD_NARROW_TILING`` / ``FWD_WIDE_TILING``.
+    """``(block_v, threads)`` of ``chunk_fwd`` for ``num_seqs * Hv`` state tiles, or
+    ``()`` for the ``traits`` defaults: the BLOCK_V among the enabled ones (64; 32 if
+    ``narrow``, 128 if ``wide``) with the least ``ceil(CTAs / sm_count) *
+    traits.FWD_CHUNK_US[BLOCK_V]`` (one CTA per SM; sequences assumed of equal length).
+    Narrow wins while its doubled grid still fits one wave, wide once its halved grid
+    saves a round. ``narrow`` / ``wide`` None follow ``traits.FWD_NARROW_TILING`` /
+    ``FWD_WIDE_TILING``.
 
     >>> fused_tiling(1, 8, 128, 132, True, True), fused_tiling(1, 64, 128, 132, True, True)
     ((32, 256), ())
-    >>> fused_tiling(8, 16, 128, 132, True, True)
-    (128, 256)
+    >>> fused_tiling(8, 16, 128, 132, True, True), fused_tiling(8, 20, 128, 132, True, True)
+    ((128, 256), ())
     """
     narrow = traits.FWD_NARROW_TILING if narrow is None else narrow
     wide = traits.FWD_WIDE_TILING if wide is None else wide
-    tiles = num_seqs * Hv
-    if narrow and tiles * (V // traits.BLOCK_V_NARROW) <= sm_count:
-        return traits.FWD_NARROW
-    if wide and V >= traits.BLOCK_V_WIDE and tiles * (V // traits.BLOCK_V) > sm_count:
-        return traits.FWD_WIDE
-    return ()
+    options = {traits.BLOCK_V: ()}
+    if narrow:
+        options[traits.BLOCK_V_NARROW] = traits.FWD_NARROW
+    if wide and V >= traits.BLOCK_V_WIDE:
+        options[traits.BLOCK_V_WIDE] = traits.FWD_WIDE
+
+    def cost(block_v: int) -> float:
+        rounds = -(-num_seqs * Hv * (V // block_v) // sm_count)
+        return rounds * traits.FWD_CHUNK_US[block_v]
+
+    return options[min(options, key=cost)]
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,

@@ -54,6 +54,8 @@ def variants():
                         yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
+                if traits.FWD_NARROW_TILING:
+                    yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, traits.BLOCK_V_NARROW)
             yield chunk_bwd_intra_kernel, (dtype, K, V)
 
 

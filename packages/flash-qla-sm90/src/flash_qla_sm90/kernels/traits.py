@@ -21,16 +21,12 @@ DTYPES = ("bfloat16", "float16")
 #: V columns of the state owned by one CTA of the fused forward (S tile K x BLOCK_V).
 BLOCK_V = 64
 
-#: Narrower state tile for grids far below one wave: with N * Hv * (V / BLOCK_V_NARROW)
-#: CTAs still fitting in one wave, BLOCK_V_NARROW doubles the CTAs for free (measured on
-#: the H200, 2/8 1x32768: chunk_fwd 2.77 -> 2.32 ms; slower wherever it adds a wave).
+#: Narrower and wider state tiles, chosen per call by ``forward.fused_tiling``: BLOCK_V 32
+#: doubles the CTAs of grids far below one wave; BLOCK_V 128 (one CTA per (sequence,
+#: value head), Q K^T / Ag / P computed once) halves the waves of large grids.
 BLOCK_V_NARROW = 32
-FWD_NARROW_TILING = True
-
-#: Wider state tile for grids of more than one wave at BLOCK_V: one CTA per (sequence,
-#: value head) computes Q K^T, Ag and P once for all V columns instead of once per tile,
-#: so the grid needs half the waves.
 BLOCK_V_WIDE = 128
+FWD_NARROW_TILING = True
 FWD_WIDE_TILING = True
 
 #: Threads of the fused forward's consumer warpgroups and of the prepare kernel.
@@ -40,6 +36,12 @@ PREPARE_THREADS = 128
 #: ``chunk_fwd`` tiling arguments (block_v, threads) of the narrow and wide tiles.
 FWD_NARROW = (BLOCK_V_NARROW, FWD_THREADS)
 FWD_WIDE = (BLOCK_V_WIDE, FWD_THREADS)
+
+#: Cost model of the tiling choice: microseconds per chunk of one CTA (one CTA per SM),
+#: by BLOCK_V. Fitted on the H200 (2026-11-30, ``benchmark/tune_chunk_fwd.py``, column
+#: "us/chunk": 2/8 and 8/32 at 1x32768, 16/16 4x8192, 16/64 1x32768). A grid of n CTAs
+#: costs ceil(n / SMs) * chunks * this.
+FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
