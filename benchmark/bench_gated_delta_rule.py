@@ -25,6 +25,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -403,6 +404,10 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         if os.path.exists(ref_path) and not args.keep_scratch:
             os.remove(ref_path)
     bar.close()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def cold_first_call(args, shape: C.Shape, impls: list[str], scratch: str) -> dict:
@@ -847,7 +852,12 @@ def main(argv=None) -> int:
         if args.resume and os.path.exists(json_path):
             _, rows = load_rows(json_path)
             print(f"note: resuming from {json_path} ({len(rows)} rows)", file=sys.stderr)
-        run(args, shapes, peers, info, rows, scratch)
+        # A time-limited lease ends with SIGTERM (``timeout``): report what is done.
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            run(args, shapes, peers, info, rows, scratch)
+        except KeyboardInterrupt:
+            print("note: interrupted; reporting the configurations done so far", file=sys.stderr)
         for i, r in enumerate(rows.values()):
             r.setdefault("order", i)
         cold = {}

@@ -20,6 +20,7 @@ g, beta ``[B,T,Hv]``, states ``[N,Hv,K,V]`` fp32, K = V = 128, chunk C = 64.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -978,6 +979,11 @@ def run_worker(
             os.killpg(proc.pid, signal.SIGKILL)  # the worker's own group, started above
             proc.wait()
             rc = None
+        except BaseException:  # the parent is interrupted: take the worker down with it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     res = {}
     if os.path.exists(spec["result_path"]):
         with open(spec["result_path"]) as f:
