@@ -5,6 +5,8 @@
 #   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
 #   bwd       forward+backward timings of ours and BWD_PEERS (bench --mode bwd)
 #   fwd       forward timings of ours, eager and graphed (bench --mode fwd)
+#   evidence  forward table (eager + CUDA graph) of ours beside EVIDENCE_PEERS on
+#             EVIDENCE_SHAPES, tag H200 (the file benchmark/results/H200.md is made of)
 #   profile   per-kernel profile of ours, develop set
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes every shape, each
 #             config timed FLA_TUNE_REP_MS, default 20 ms, instead of Triton's 100)
@@ -41,6 +43,12 @@ if has fwd; then   # ours alone on forward-grid rows, eager and CUDA-graph repla
     --tag H200-fwd --deadline-s 120 --shapes "${FWD_SHAPES:-2/8@1x32768,16/32@1x8192}" \
     > "$R/fwd.txt" 2>&1
 fi
+if has evidence; then   # the headline table: ours beside EVIDENCE_PEERS, eager and graphed
+  timeout "${EVIDENCE_TIMEOUT:-240}" python3 benchmark/bench_gated_delta_rule.py --out "$R" \
+    --mode fwd --peers "${EVIDENCE_PEERS:-flashinfer}" --tag H200 \
+    --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" --shapes "${EVIDENCE_SHAPES:-16/32@8x4096}" \
+    > "$R/evidence.txt" 2>&1
+fi
 if has profile; then
   timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
     --shapes "${PROFILE_SHAPES:-16/16@*}" --out "$R" > "$R/profile.txt" 2>&1
@@ -68,5 +76,5 @@ tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
 cat "$R"/gpu-*.txt 2>/dev/null | grep -E "^FAILED|^ERROR" | head -20
 [ -f "$R/ncu.txt" ] && grep -E "stalled|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Theoretical Occ|No Eligible|One or More" "$R/ncu.txt" | sort -k3 -rn | head -40
-for f in bwd fwd profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done
+for f in bwd fwd evidence profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"

@@ -21,6 +21,9 @@ rm -rf .offline-gpu/tilelang-cache        # stale entries of edited kernels only
 TILELANG_PRINT_ON_COMPILATION=0 \
   PYTHONPATH=packages/flash-qla-sm90/src:packages/flash-qla-core/src \
   python3 -m flash_qla_sm90.kernels.kernel_cache .offline-gpu/tilelang-cache
+# cuda-binaries/ is nvcc's compile cache (cubins by source hash): loading a kernel needs
+# only linux-x86_64/kernels/ (checked: no recompilation without it), so it stays here.
+rm -rf .offline-gpu/tilelang-cache/*/cuda-binaries
 bytes=$(( $(du -sb .offline-gpu | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))
 echo "tree + .offline-gpu: $((bytes / 1048576)) MiB (the device refuses > 64 MiB)"
 (( bytes < 64 * 1048576 )) || { echo "too large: drop the FlashQLA peer (FLASHQLA_PEER=0) or FlashInfer" >&2; exit 1; }

@@ -9,7 +9,14 @@ import torch
 
 import flash_qla
 from tests.helpers import rel_l2
-from tests.sm90.test_forward_gpu import CASES, Case, _varlen, make_inputs, reference
+from tests.sm90.test_forward_gpu import (
+    CASES,
+    POISON_CASES,
+    Case,
+    _varlen,
+    make_inputs,
+    reference,
+)
 
 pytestmark = pytest.mark.sm90
 
@@ -25,7 +32,9 @@ BWD_CASES = [
 ]
 
 
-def _grads(inp, backend=None, seed=11):
+def _grads(inp, backend=None, seed=11, do_padding=None):
+    """Gradients of every input under random dO and dht; ``do_padding`` fills dO's rows
+    after cu_seqlens[-1] (padding tokens) with that value."""
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inp.items()
               if n != "cu_seqlens" and t is not None}
     o, final = flash_qla.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
@@ -33,6 +42,8 @@ def _grads(inp, backend=None, seed=11):
     gen = torch.Generator(device=o.device).manual_seed(seed)
     do = torch.randn(o.shape, generator=gen, device=o.device, dtype=torch.float32)
     dht = torch.randn(final.shape, generator=gen, device=o.device)
+    if do_padding is not None:
+        do[:, int(inp["cu_seqlens"][-1]):] = do_padding
     torch.autograd.backward([o.float(), final], [do, dht])
     return {n: t.grad for n, t in leaves.items()}, do, dht
 
@@ -62,6 +73,29 @@ def test_gradients_deterministic():
     again, _, _ = _grads(inp)
     for name in first:
         assert torch.equal(first[name], again[name]), name
+
+
+@pytest.mark.parametrize("case", POISON_CASES, ids=lambda c: c.id)
+def test_nan_padding_never_reaches_valid_gradients(case):
+    """NaN/Inf in the padding tokens (after cu_seqlens[-1]) of every input, and in dO
+    there: the gradients of valid tokens and of the initial state equal those of the
+    same call with finite padding, and the padding's gradients are 0."""
+    inp = make_inputs(case, seed=8)
+    clean, do, dht = _grads(inp)
+    pad = slice(case.T - case.pad, case.T)
+    for name, bad in (("q", float("nan")), ("k", float("nan")), ("v", float("inf")),
+                      ("g", float("nan")), ("beta", float("nan"))):
+        inp[name] = inp[name].clone()
+        inp[name][:, pad] = bad
+    dirty, _, _ = _grads(inp, do_padding=float("nan"))
+    for name in clean:
+        valid, bad_rows = dirty[name][:, :pad.start], dirty[name][:, pad]
+        if name == "initial_state":
+            valid, bad_rows = dirty[name], dirty[name][:0]
+        assert torch.isfinite(valid).all(), name
+        ref = clean[name][:, :pad.start] if name != "initial_state" else clean[name]
+        assert rel_l2(valid.float(), ref.float()) < 1e-6, name
+        assert torch.equal(bad_rows, torch.zeros_like(bad_rows)), name
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12], BWD_CASES[1]],

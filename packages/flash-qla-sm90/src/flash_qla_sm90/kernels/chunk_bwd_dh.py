@@ -12,7 +12,8 @@ from the last to the first with dS (K x BLOCK_V, fp32) in registers. Per chunk
 
 and the first chunk's dS0 is dh0. Every other gradient is per chunk given S0 (from the
 forward kernel) and dS1 (from here), so it runs chunk-parallel outside this kernel.
-Rows past the end of a sequence are masked like in ``chunk_fwd``.
+Rows past the end of a sequence are masked like in ``chunk_fwd`` (q, k and dO rows
+zeroed in shared memory, dU's selected to 0, so NaN in padding never meets a GEMM).
 """
 
 import tilelang
@@ -114,6 +115,14 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                 T.copy(ds_frag, ds_shared)
                 T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
                 T.gemm(k_shared, ds_shared, kds_frag, clear_accum=True)                # K dS1
+                # Rows past the end may hold NaN/Inf (padding tokens), which the masks below
+                # would turn into 0 * NaN: zero q and k rows now (their GEMMs above are
+                # done), dO rows after E dO is built, and select dU's rows.
+                if rows < C:
+                    for i, j in T.Parallel(C, K):
+                        if i >= rows:
+                            q_shared[i, j] = T.cast(0, dtype)
+                            k_shared[i, j] = T.cast(0, dtype)
 
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
@@ -124,10 +133,14 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                 for i, j in T.Parallel(C, BV):
                     edo_shared[i, j] = T.if_then_else(
                         i < rows, do_shared[i, j] * T.exp2(gam_shared[i]) * scale, 0.0)
+                if rows < C:
+                    for i, j in T.Parallel(C, BV):
+                        if i >= rows:
+                            do_shared[i, j] = T.cast(0, dtype)
                 T.gemm(p_shared, do_shared, du_frag, transpose_A=True, clear_accum=True)  # P^T dO
                 for i, j in T.Parallel(C, BV):
-                    du_shared[i, j] = (du_frag[i, j] * scale + T.exp2(
-                        gam_shared[C - 1] - gam_shared[i]) * kds_frag[i, j])
+                    du_shared[i, j] = T.if_then_else(i < rows, du_frag[i, j] * scale + T.exp2(
+                        gam_shared[C - 1] - gam_shared[i]) * kds_frag[i, j], 0.0)
                 T.gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)  # Ag^T dU
                 for i, j in T.Parallel(C, BV):
                     edx_shared[i, j] = -T.exp2(gam_shared[i]) * dx_frag[i, j]

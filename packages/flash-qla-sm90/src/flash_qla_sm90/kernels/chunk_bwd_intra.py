@@ -26,8 +26,9 @@ and only formed for i >= j):
         dg_i = sum_{m >= i} dgam_m + last      (reverse cumsum; gam_C's extra term
                                                 reaches every row of the chunk)
 
-Rows past the end of a sequence (a tail chunk reads the next sequence's rows, or the
-zeros past the tensor end) enter the products unmasked but are cancelled exactly: beta
+Rows past the end of a sequence (a tail chunk reads the next sequence's rows, padding
+tokens, or the zeros past the tensor end) have q, k, v and dO zeroed in shared memory
+(padding may hold NaN, which no mask cancels), and are cancelled exactly: beta
 and every [C, C] factor (P, Ag, M, dP * G, dN) are zeroed outside ``j <= i < rows``,
 the gate is clamped to the last valid row (so gam2_C is the sequence's last gam), the
 per-row gate terms are zeroed and only valid rows are stored.
@@ -165,6 +166,17 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
                 for i in T.Parallel(C):
                     gam_shared[i] = gam_frag[i]
                     beta_shared[i] = beta_frag[i]
+                # Rows past the end may hold NaN/Inf (padding tokens): zero them, since a
+                # masked factor only cancels them if they are finite (0 * NaN = NaN).
+                if rows < C:
+                    for i, j in T.Parallel(C, K):
+                        if i >= rows:
+                            q_shared[i, j] = T.cast(0, dtype)
+                            k_shared[i, j] = T.cast(0, dtype)
+                    for i, j in T.Parallel(C, V):
+                        if i >= rows:
+                            u_shared[i, j] = T.cast(0, dtype)
+                            do_shared[i, j] = T.cast(0, dtype)
 
                 # S0, dS1: fp32 -> registers -> dtype operands, and <S0, dS1> row sums in fp32
                 T.clear(ss_acc)
