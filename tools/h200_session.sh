@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs"
 if has tests; then
-  timeout 240 $PT tests -m gpu -k "${TEST_FILTER:-not dh_kernel}" > "$R/gpu-tests.txt" 2>&1
+  timeout "${TEST_TIMEOUT:-240}" $PT tests -m gpu -k "${TEST_FILTER:-not dh_kernel}" > "$R/gpu-tests.txt" 2>&1
 fi
 if has dh; then
   timeout 60 $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$R/gpu-dh.txt" 2>&1

@@ -53,9 +53,14 @@ def test_fused_forward_compiles_to_wgmma_and_tma(dtype, has_h0, store_h):
 def test_every_variant_is_listed_for_the_shipped_cache():
     from flash_qla_sm90.kernels.kernel_cache import variants
 
+    from flash_qla_sm90.kernels import traits
+
     names = {(builder.__name__ if hasattr(builder, "__name__") else str(builder), args)
              for builder, args in variants()}
-    assert len(names) == 16
+    fwd_tilings = 1 + traits.FWD_NARROW_TILING + traits.FWD_WIDE_TILING
+    dh_tilings = 1 + traits.FWD_NARROW_TILING
+    # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, dh x has_dht x tiling, intra
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 2 * dh_tilings + 1)
 
 
 def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
