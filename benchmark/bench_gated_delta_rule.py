@@ -773,19 +773,20 @@ def load_rows(path: str) -> tuple[dict, dict]:
 
 
 def git_rev() -> str:
+    """``git describe --always --dirty`` of the checkout ("-dirty": the tree that ran is
+    not that commit, e.g. a copy on a remote GPU host), plus a fingerprint of the package
+    sources that actually ran (:func:`common.source_fingerprint`)."""
     try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=C.REPO,
-                text=True,
-                capture_output=True,
-                timeout=10,
-            ).stdout.strip()
-            or "uncommitted"
-        )
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=C.REPO,
+            text=True,
+            capture_output=True,
+            timeout=10,
+        ).stdout.strip() or "uncommitted"
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        rev = "unknown"
+    return f"{rev} (sources {C.source_fingerprint()})"
 
 
 # --------------------------------------------------------------------------------------

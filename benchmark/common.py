@@ -1042,6 +1042,19 @@ def flashqla_version(path: str | None) -> str | None:
     return m.group(1) if m else "?"
 
 
+def source_fingerprint() -> str:
+    """First 12 hex digits of the sha256 over every ``packages/*/src/**/*.py`` (path and
+    content): identifies the code that ran, even where the checkout's git data is stale
+    (recompute it at a commit to match a result to it)."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for path in sorted(Path(REPO, "packages").glob("*/src/**/*.py")):
+        h.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def gpu_tag(device_name: str) -> str:
     """File-name tag of a device: 'NVIDIA H200' -> 'H200'."""
     name = re.sub(r"^NVIDIA\s+", "", device_name or "cpu").strip()
