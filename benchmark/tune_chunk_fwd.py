@@ -12,7 +12,8 @@ next to its time. Times are CUDA-event medians (``triton.testing.do_bench``).
 ``--compile-only`` builds every tiling for sm_90a without a GPU (TileLang's cache), so the
 device's minutes go to running. Prints one table: ms and error per shape x tiling, and
 "us/chunk" = ms / (waves of one CTA per SM x chunks of the longest sequence), the
-per-chunk cost that ``traits.FWD_CHUNK_US`` (the tiling choice's cost model) holds.
+per-chunk cost that ``traits.FWD_CHUNK_US`` (the tiling choice's cost model) holds; the
+last line fits it (median per BLOCK_V over the uniform-length shapes).
 """
 
 from __future__ import annotations
@@ -143,7 +144,30 @@ def tune(tilings, args) -> int:
         print(tabulate(rows[-len(tilings) - 1:], tablefmt="plain"), flush=True)
     print(tabulate(rows, headers=["shape", "kernel", "err vs torch", "ms", "us/chunk"],
                    tablefmt="github"))
+    from flash_qla_sm90.kernels import traits
+
+    print(f"fitted FWD_CHUNK_US = {fit_chunk_us(rows)}  (traits: {traits.FWD_CHUNK_US})")
     return 0
+
+
+def fit_chunk_us(rows) -> dict:
+    """``traits.FWD_CHUNK_US`` from the table: per BLOCK_V, the median "us/chunk" over the
+    uniform-length shapes (varlen rows, whose waves are uneven, are left out).
+
+    >>> fit_chunk_us([["2/8 1x32768", "32x256", "", 2.37, 4.63],
+    ...               ["8/32 1x32768", "32x256", "", 2.29, 4.48],
+    ...               ["2/8 1x32768", "prepare", "", 0.11, ""],
+    ...               ["16/32 varlen-a (8 seqs)", "64x256", "", 1.65, 6.4]])
+    {32: 4.55}
+    """
+    import statistics
+
+    per_bv: dict = {}
+    for label, kernel, _, _, us in rows:
+        if kernel == "prepare" or "varlen" in label or "seqs=" in label:
+            continue
+        per_bv.setdefault(parse_tiling(kernel)[0], []).append(us)
+    return {bv: round(statistics.median(v), 2) for bv, v in sorted(per_bv.items())}
 
 
 if __name__ == "__main__":

@@ -154,6 +154,21 @@ def test_tune_help_and_tiling_parser():
         tune_chunk_fwd.parse_tiling("64")
 
 
+def test_tune_fits_the_tiling_cost_model():
+    """The per-BLOCK_V median of "us/chunk" over uniform-length shapes (varlen and
+    prepare rows left out) is what traits.FWD_CHUNK_US holds."""
+    sys.path.insert(0, os.path.dirname(TUNE))
+    import tune_chunk_fwd
+
+    rows = [["2/8 1x32768", "prepare", "", 0.11, ""],
+            ["2/8 1x32768", "64x256", "3.2e-03", 2.89, 5.65],
+            ["16/16 4x8192", "64x256", "3.4e-03", 0.69, 5.37],
+            ["16/64 1x32768", "64x256", "3.4e-03", 2.74, 5.35],
+            ["2/8 1x32768", "128x256", "3.2e-03", 4.71, 9.2],
+            ["16/32 varlen-a (8 seqs)", "128x256", "3.4e-03", 1.6, 25.0]]
+    assert tune_chunk_fwd.fit_chunk_us(rows) == {64: 5.37, 128: 9.2}
+
+
 @needs_ours
 @pytest.mark.skipif(_has_cuda(), reason="this machine has a CUDA GPU")
 def test_tune_without_gpu_one_clear_line_and_exit_2():
