@@ -51,9 +51,8 @@ def test_fused_forward_compiles_to_wgmma_and_tma(dtype, has_h0, store_h):
 
 
 def test_every_variant_is_listed_for_the_shipped_cache():
-    from flash_qla_sm90.kernels.kernel_cache import variants
-
     from flash_qla_sm90.kernels import traits
+    from flash_qla_sm90.kernels.kernel_cache import variants
 
     names = {(builder.__name__ if hasattr(builder, "__name__") else str(builder), args)
              for builder, args in variants()}
