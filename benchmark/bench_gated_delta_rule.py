@@ -7,7 +7,8 @@ checked against ours on identical inputs, and its relative error is printed besi
 its time. Results go to ``--out`` as ``<GPU>.md`` (the table), ``<GPU>.csv``,
 ``<GPU>.json`` and PNG plots; the table is printed last.
 
-Examples (on the H200 host, after ``source .offline-gpu/activate.sh .offline-gpu``):
+Examples (on a GPU host; on the offline H200 host of this project, after
+``source .offline-gpu/activate.sh .offline-gpu``, the bundle of ``tools/prepare_offline.sh``):
 
     python benchmark/bench_gated_delta_rule.py --quick
     python benchmark/bench_gated_delta_rule.py --mode fwd --shapes '16/32@*' \\

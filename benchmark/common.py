@@ -45,7 +45,9 @@ FWD_FLOP_PER_TOKEN_HEAD = 176e3  # gdn-math.md cost model (FLA's unfused pipelin
 BWD_FLOP_PER_TOKEN_HEAD = 508e3
 TOL = 2e-2  # relative error above which a peer's timing is flagged as a MISMATCH
 
-INSTALL_HINT = 'pip install "flash-qla[sm90]"'
+INSTALL_HINT = (
+    'pip install "flash-qla[sm90]" (from a clone: pip install -e packages/flash-qla-sm90)'
+)
 NO_GPU_LINE = (
     "error: this benchmark needs a CUDA GPU (none is visible) and the kernels "
     f"({INSTALL_HINT}); run `--device cpu` for the small CPU demo."

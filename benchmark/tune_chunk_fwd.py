@@ -121,14 +121,21 @@ def main(argv=None):
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
     if args.compile_only:
-        compile_tilings(tilings)
+        try:
+            compile_tilings(tilings)
+        except ImportError as e:
+            print(f"tune_chunk_fwd.py --compile-only: needs flash-qla-sm90 and TileLang "
+                  f"(pip install -e packages/flash-qla-sm90; nvcc on PATH): {e}",
+                  file=sys.stderr)
+            return 2
         return 0
 
     import torch
 
     if not torch.cuda.is_available():
-        print("tune_chunk_fwd.py: needs a CUDA GPU (sm_90) and flash-qla[sm90] "
-              "(--compile-only works without one)", file=sys.stderr)
+        print("tune_chunk_fwd.py: needs a CUDA GPU (sm_90) and flash-qla[sm90] (from a "
+              "clone: pip install -e packages/flash-qla-sm90; --compile-only works without "
+              "a GPU)", file=sys.stderr)
         return 2
     return tune(tilings, args)
 
