@@ -29,8 +29,11 @@ DEFAULT_TILINGS = "64x256,32x256,32x128"
 DEFAULT_SHAPES = "16/64@1x32768,16/32@8x4096,16/16@4x8192,2/8@1x32768"
 
 
-def parse_tiling(spec: str) -> tuple[int, ...]:
-    """``64x256`` -> (64, 256); ``64x256x3`` -> (64, 256, 3)."""
+def parse_tiling(spec: str) -> tuple:
+    """``64x256`` -> (64, 256); ``64x256x3`` -> (64, 256, 3); ``t`` -> ("t",): the
+    transposed-state kernel ``chunk_fwd_t`` (one CTA per sequence x head)."""
+    if spec == "t":
+        return ("t",)
     parts = tuple(int(x) for x in spec.split("x"))
     if len(parts) not in (2, 3):
         raise argparse.ArgumentTypeError(f"bad tiling {spec!r}: expected BLOCK_VxTHREADS[xSTAGES]")
@@ -39,12 +42,16 @@ def parse_tiling(spec: str) -> tuple[int, ...]:
 
 def compile_tilings(tilings, dtype="bfloat16"):
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
+    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
 
     chunk_prepare_kernel(dtype, 128)
     for t in tilings:
         for has_h0 in (False, True):
-            chunk_fwd_kernel(dtype, 128, 128, has_h0, False, *t)
+            if t == ("t",):
+                chunk_fwd_t_kernel(dtype, 128, 128, has_h0, False)
+            else:
+                chunk_fwd_kernel(dtype, 128, 128, has_h0, False, *t)
             print("compiled", "x".join(map(str, t)), "h0" if has_h0 else "", flush=True)
 
 
@@ -54,7 +61,7 @@ def run_shape(shape, tilings, args):
 
     import flash_qla
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
-    from flash_qla_sm90.kernels.forward import _fused, _packed, layout_for
+    from flash_qla_sm90.kernels.forward import TRANSPOSED, _fused, _packed, layout_for
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -82,14 +89,15 @@ def run_shape(shape, tilings, args):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q_p, v_p = _packed(q), _packed(v)
     for t in tilings:
-        def fused(t=t):
+        def fused(t=TRANSPOSED if t == ("t",) else t):
             return _fused(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, scale=scale,
                           initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=t)
 
         o, final, _ = fused()
         err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
         ms = bench(fused)
-        rounds = -(-len(lens) * Hv * (128 // t[0]) // sms)      # waves of one CTA per SM
+        block_v = 128 if t == ("t",) else t[0]
+        rounds = -(-len(lens) * Hv * (128 // block_v) // sms)   # waves of one CTA per SM
         rows.append([shape.label, "x".join(map(str, t)), f"{err:.1e}", ms,
                      round(ms * 1e3 / (rounds * longest), 2)])
     return rows

@@ -56,10 +56,21 @@ def test_every_variant_is_listed_for_the_shipped_cache():
 
     names = {(builder.__name__ if hasattr(builder, "__name__") else str(builder), args)
              for builder, args in variants()}
-    fwd_tilings = 1 + traits.FWD_NARROW_TILING + traits.FWD_WIDE_TILING
+    fwd_tilings = 1 + traits.FWD_NARROW_TILING + traits.FWD_WIDE_TILING + traits.FWD_TRANSPOSED
     dh_tilings = 1 + traits.FWD_NARROW_TILING
     # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, dh x has_dht x tiling, intra
     assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 2 * dh_tilings + 1)
+
+
+def test_transposed_forward_keeps_the_state_chain_in_registers():
+    """chunk_fwd_t: the state GEMMs take register A operands (wgmma_rs), the chunk tiles
+    come by TMA, and the producer hands its registers to the state warpgroups."""
+    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
+
+    src = _source(chunk_fwd_t_kernel, "bfloat16", 128, 128, True, True)
+    assert src.count("tl::wgmma_rs<") >= 5
+    assert "tma_load" in src
+    assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
 
 
 def test_backward_dh_kernel_compiles_to_wgmma_and_tma():

@@ -195,6 +195,28 @@ def test_nan_padding_never_reaches_valid_tokens(case):
     assert torch.equal(dirty[4], clean[4])
 
 
+@pytest.mark.parametrize("case", CASES + POISON_CASES[:2], ids=lambda c: c.id)
+def test_transposed_kernel_matches_recurrence(case, monkeypatch):
+    """chunk_fwd_t (traits.FWD_TRANSPOSED, forced by a zero cost): o and the final state
+    against the fp64 recurrence, h against the torch backend, padding rows zero."""
+    from flash_qla_sm90.kernels import forward, traits
+
+    monkeypatch.setattr(traits, "FWD_TRANSPOSED", True)
+    monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", 0.0)
+    inp = make_inputs(case, seed=9)
+    N = len(case.lens) if case.lens else case.B
+    assert forward.use_transposed(N, case.Hv, 128, 128, forward._sm_count(inp["q"].device))
+    _, _, o, h, final = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True,
+                                                             output_h=True)
+    o_ref, final_ref = reference(inp)
+    tol = TOL[case.dtype]
+    assert rel_l2(o, o_ref) < tol and rel_l2(final, final_ref) < tol
+    h_ref = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_h=True, backend="torch")[3]
+    assert rel_l2(h.float(), h_ref.float()) < 5e-3
+    if case.pad:
+        assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
+
+
 def test_high_level_options():
     """v-first state, qk L2-norm and in-kernel gate around the kernels vs the torch backend."""
     inp = make_inputs(CASES[12], seed=7)

@@ -75,3 +75,17 @@ def test_gpu_tiling_cases_take_their_tiling(cases, which):
     for case in getattr(test_forward_gpu, cases):
         n = len(case.lens) if case.lens else case.B
         assert fused_tiling(n, case.Hv, 128, 132, narrow=True, wide=True) == expected, case.id
+
+
+def test_transposed_kernel_only_when_on_and_cheaper(monkeypatch):
+    from flash_qla_sm90.kernels import forward, traits
+
+    monkeypatch.setattr(traits, "FWD_TRANSPOSED", False)
+    assert not forward.use_transposed(8, 32, 128, 128, 132)
+    monkeypatch.setattr(traits, "FWD_TRANSPOSED", True)
+    monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", 5.5)
+    # 256 (sequence, head) pairs: 2 rounds x 5.5 us beat the wide tile's 2 x 10.0
+    assert forward.use_transposed(8, 32, 128, 128, 132)
+    # 8 pairs: one round either way, and the narrow tile's 4.55 us is cheaper
+    assert not forward.use_transposed(1, 8, 128, 128, 132)
+    assert not forward.use_transposed(8, 32, 64, 128, 132)          # K = 64: not served

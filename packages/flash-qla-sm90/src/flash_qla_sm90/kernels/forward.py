@@ -9,11 +9,15 @@ import torch
 
 from . import traits
 from .chunk_fwd import chunk_fwd_kernel
+from .chunk_fwd_t import chunk_fwd_t_kernel
 from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
 from .chunk_prepare import chunk_prepare_kernel
 from .traits import CHUNK
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+#: ``_fused(tiling=TRANSPOSED)`` runs ``chunk_fwd_t`` (tuning and tests).
+TRANSPOSED = "transposed"
 
 
 def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
@@ -71,6 +75,12 @@ def fused_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
     >>> fused_tiling(8, 16, 128, 132, True, True), fused_tiling(8, 20, 128, 132, True, True)
     ((128, 256), ())
     """
+    options = _tiling_options(V, narrow, wide)
+    return options[min(options, key=lambda bv: _tiling_cost(num_seqs, Hv, V, sm_count, bv))]
+
+
+def _tiling_options(V: int, narrow: bool | None, wide: bool | None) -> dict:
+    """BLOCK_V -> chunk_fwd tiling arguments, for the enabled tilings."""
     narrow = traits.FWD_NARROW_TILING if narrow is None else narrow
     wide = traits.FWD_WIDE_TILING if wide is None else wide
     options = {traits.BLOCK_V: ()}
@@ -78,12 +88,24 @@ def fused_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
         options[traits.BLOCK_V_NARROW] = traits.FWD_NARROW
     if wide and V >= traits.BLOCK_V_WIDE:
         options[traits.BLOCK_V_WIDE] = traits.FWD_WIDE
+    return options
 
-    def cost(block_v: int) -> float:
-        rounds = -(-num_seqs * Hv * (V // block_v) // sm_count)
-        return rounds * traits.FWD_CHUNK_US[block_v]
 
-    return options[min(options, key=cost)]
+def _tiling_cost(num_seqs: int, Hv: int, V: int, sm_count: int, block_v: int) -> float:
+    """Predicted us per chunk of the whole grid: ceil(CTAs / SMs) x us per CTA-chunk."""
+    rounds = -(-num_seqs * Hv * (V // block_v) // sm_count)
+    return rounds * traits.FWD_CHUNK_US[block_v]
+
+
+def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
+    """Whether ``chunk_fwd_t`` (transposed state, one CTA per (sequence, head)) serves
+    the call: ``traits.FWD_TRANSPOSED`` on, K = V = 128, and its predicted cost below every
+    enabled ``chunk_fwd`` tiling's (same model as :func:`fused_tiling`)."""
+    if not traits.FWD_TRANSPOSED or (K, V) != (128, 128):
+        return False
+    mine = -(-num_seqs * Hv // sm_count) * traits.FWD_CHUNK_US_TRANSPOSED
+    return mine < min(_tiling_cost(num_seqs, Hv, V, sm_count, bv)
+                      for bv in _tiling_options(V, None, None))
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
@@ -93,7 +115,7 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
     ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` overriding
-    :func:`fused_tiling`'s choice (tuning).
+    :func:`fused_tiling`'s choice, or ``TRANSPOSED`` for ``chunk_fwd_t`` (tuning).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -104,9 +126,14 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
-    if tiling is None:
-        tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device))
-    chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)(
+    if tiling == TRANSPOSED or (
+            tiling is None and use_transposed(layout.num_seqs, Hv, K, V, _sm_count(q.device))):
+        kernel = chunk_fwd_t_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
+    else:
+        if tiling is None:
+            tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device))
+        kernel = chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)
+    kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
         h0, float(scale), o, final_state, h)
     return o, final_state, (h if store_h else None)

@@ -41,6 +41,7 @@ def variants():
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
+    from .chunk_fwd_t import chunk_fwd_t_kernel
     from .chunk_prepare import chunk_prepare_kernel
 
     tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
@@ -52,6 +53,8 @@ def variants():
                 for store_h in (False, True):
                     for tiling in tilings:
                         yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
+                    if traits.FWD_TRANSPOSED and (K, V) == (128, 128):
+                        yield chunk_fwd_t_kernel, (dtype, K, V, has_h0, store_h)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:

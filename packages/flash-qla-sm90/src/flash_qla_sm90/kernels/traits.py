@@ -43,6 +43,13 @@ FWD_WIDE = (BLOCK_V_WIDE, FWD_THREADS)
 #: costs ceil(n / SMs) * chunks * this.
 FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 
+#: ``chunk_fwd_t`` (transposed state in registers, one CTA per (sequence, head), v3 step
+#: 1): compiled, NOT yet run on a GPU, so off. Its per-chunk cost is a prediction
+#: (docs/perf-notes.md) until ``tune_chunk_fwd.py`` measures it; with the flag on,
+#: ``forward`` uses it where the cost model prefers it to every ``chunk_fwd`` tiling.
+FWD_TRANSPOSED = False
+FWD_CHUNK_US_TRANSPOSED = 5.5
+
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
 
