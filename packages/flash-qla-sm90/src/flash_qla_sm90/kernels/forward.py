@@ -109,7 +109,7 @@ def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> boo
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
-           num_chunks: int | None, alloc, tiling: tuple | None = None):
+           num_chunks: int | None, alloc, tiling: tuple | str | None = None):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
