@@ -116,6 +116,20 @@ def test_forward_matches_recurrence(case):
         assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
 
 
+def _check_with_states(case: Case, inp: dict) -> None:
+    """The forward with h: o and the final state against the fp64 recurrence, h against
+    the torch backend, padding tokens' o zero."""
+    _, _, o, h, final = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True,
+                                                             output_h=True)
+    o_ref, final_ref = reference(inp)
+    tol = TOL[case.dtype]
+    assert rel_l2(o, o_ref) < tol and rel_l2(final, final_ref) < tol
+    h_ref = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_h=True, backend="torch")[3]
+    assert rel_l2(h.float(), h_ref.float()) < 5e-3
+    if case.pad:
+        assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
+
+
 # Grids that fit one wave at the narrow tiling (N * Hv * V / 32 <= 132): dense, GVA,
 # varlen with empty / length-1 / tail chunks and padding, fp16, strong gates.
 NARROW_CASES = [CASES[0], CASES[1], CASES[4], CASES[7], CASES[8], CASES[9], CASES[11],
@@ -139,15 +153,7 @@ def test_tiling_matches_recurrence(case, flag, monkeypatch):
     inp = make_inputs(case, seed=5)
     N = len(case.lens) if case.lens else case.B
     assert forward.fused_tiling(N, case.Hv, 128, forward._sm_count(inp["q"].device)) != ()
-    _, _, o, h, final = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True,
-                                                             output_h=True)
-    o_ref, final_ref = reference(inp)
-    tol = TOL[case.dtype]
-    assert rel_l2(o, o_ref) < tol and rel_l2(final, final_ref) < tol
-    h_ref = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_h=True, backend="torch")[3]
-    assert rel_l2(h.float(), h_ref.float()) < 5e-3
-    if case.pad:
-        assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
+    _check_with_states(case, inp)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12]], ids=lambda c: c.id)
@@ -206,15 +212,7 @@ def test_transposed_kernel_matches_recurrence(case, monkeypatch):
     inp = make_inputs(case, seed=9)
     N = len(case.lens) if case.lens else case.B
     assert forward.use_transposed(N, case.Hv, 128, 128, forward._sm_count(inp["q"].device))
-    _, _, o, h, final = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True,
-                                                             output_h=True)
-    o_ref, final_ref = reference(inp)
-    tol = TOL[case.dtype]
-    assert rel_l2(o, o_ref) < tol and rel_l2(final, final_ref) < tol
-    h_ref = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_h=True, backend="torch")[3]
-    assert rel_l2(h.float(), h_ref.float()) < 5e-3
-    if case.pad:
-        assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
+    _check_with_states(case, inp)
 
 
 def test_high_level_options():
