@@ -31,16 +31,23 @@ DEFAULT_SHAPES = "16/64@1x32768,16/32@8x4096,16/16@4x8192,2/8@1x32768"
 
 def parse_tiling(spec: str) -> tuple:
     """``64x256`` -> (64, 256); ``64x256x3`` -> (64, 256, 3); ``t`` -> ("t",): the
-    transposed-state kernel ``chunk_fwd_t`` (one CTA per sequence x head)."""
-    if spec == "t":
-        return ("t",)
+    transposed-state kernel ``chunk_fwd_t`` (one CTA per sequence x head), ``ts`` -> ("ts",):
+    the same with every GEMM waited for (``traits.FWD_T_OVERLAP`` off)."""
+    if spec in ("t", "ts"):
+        return (spec,)
     parts = tuple(int(x) for x in spec.split("x"))
     if len(parts) not in (2, 3):
         raise argparse.ArgumentTypeError(f"bad tiling {spec!r}: expected BLOCK_VxTHREADS[xSTAGES]")
     return parts
 
 
+def _overlap(tiling: tuple, shipped: bool) -> bool:
+    """``traits.FWD_T_OVERLAP`` for a transposed tiling: as shipped for "t", off for "ts"."""
+    return tiling != ("ts",) and shipped
+
+
 def compile_tilings(tilings, dtype="bfloat16"):
+    from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
@@ -48,8 +55,9 @@ def compile_tilings(tilings, dtype="bfloat16"):
     chunk_prepare_kernel(dtype, 128)
     for t in tilings:
         for has_h0 in (False, True):
-            if t == ("t",):
-                chunk_fwd_t_kernel(dtype, 128, 128, has_h0, False)
+            if t in (("t",), ("ts",)):
+                chunk_fwd_t_kernel(dtype, 128, 128, has_h0, False,
+                                   _overlap(t, traits.FWD_T_OVERLAP))
             else:
                 chunk_fwd_kernel(dtype, 128, 128, has_h0, False, *t)
             print("compiled", "x".join(map(str, t)), "h0" if has_h0 else "", flush=True)
@@ -60,6 +68,7 @@ def run_shape(shape, tilings, args):
     from common import make_inputs, rel_err
 
     import flash_qla
+    from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
     from flash_qla_sm90.kernels.forward import TRANSPOSED, _fused, _packed, layout_for
 
@@ -88,18 +97,21 @@ def run_shape(shape, tilings, args):
     longest = int((lens.max() + 63) // 64)                 # chunks of the longest sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q_p, v_p = _packed(q), _packed(v)
+    shipped = traits.FWD_T_OVERLAP
     for t in tilings:
-        def fused(t=TRANSPOSED if t == ("t",) else t):
+        def fused(t=t, tiling=TRANSPOSED if t in (("t",), ("ts",)) else t):
+            traits.FWD_T_OVERLAP = _overlap(t, shipped)
             return _fused(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, scale=scale,
-                          initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=t)
+                          initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=tiling)
 
         o, final, _ = fused()
         err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
         ms = bench(fused)
-        block_v = 128 if t == ("t",) else t[0]
+        block_v = 128 if t in (("t",), ("ts",)) else t[0]
         rounds = -(-len(lens) * Hv * (128 // block_v) // sms)   # waves of one CTA per SM
         rows.append([shape.label, "x".join(map(str, t)), f"{err:.1e}", ms,
                      round(ms * 1e3 / (rounds * longest), 2)])
+    traits.FWD_T_OVERLAP = shipped
     return rows
 
 
@@ -167,13 +179,15 @@ def tune(tilings, args) -> int:
 
 def fit_chunk_us(rows) -> dict:
     """``traits.FWD_CHUNK_US`` from the table: per BLOCK_V, the median "us/chunk" over the
-    uniform-length shapes (varlen rows, whose waves are uneven, are left out).
+    uniform-length shapes (varlen rows, whose waves are uneven, are left out); the
+    transposed kernel's (``traits.FWD_CHUNK_US_TRANSPOSED``) under the key "t".
 
     >>> fit_chunk_us([["2/8 1x32768", "32x256", "", 2.37, 4.63],
     ...               ["8/32 1x32768", "32x256", "", 2.29, 4.48],
     ...               ["2/8 1x32768", "prepare", "", 0.11, ""],
-    ...               ["16/32 varlen-a (8 seqs)", "64x256", "", 1.65, 6.4]])
-    {32: 4.55}
+    ...               ["16/32 varlen-a (8 seqs)", "64x256", "", 1.65, 6.4],
+    ...               ["2/8 1x32768", "t", "", 3.02, 5.89]])
+    {32: 4.55, 't': 5.89}
     """
     import statistics
 
@@ -182,7 +196,8 @@ def fit_chunk_us(rows) -> dict:
         if kernel == "prepare" or "varlen" in label or "seqs=" in label:
             continue
         per_bv.setdefault(parse_tiling(kernel)[0], []).append(us)
-    return {bv: round(statistics.median(v), 2) for bv, v in sorted(per_bv.items())}
+    order = sorted(per_bv, key=lambda bv: (isinstance(bv, str), bv))     # BLOCK_Vs, then "t"
+    return {bv: round(statistics.median(per_bv[bv]), 2) for bv in order}
 
 
 if __name__ == "__main__":

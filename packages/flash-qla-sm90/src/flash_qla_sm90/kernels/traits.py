@@ -44,11 +44,14 @@ FWD_WIDE = (BLOCK_V_WIDE, FWD_THREADS)
 FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 
 #: ``chunk_fwd_t`` (transposed state in registers, one CTA per (sequence, head), v3 step
-#: 1): compiled, NOT yet run on a GPU, so off. Its per-chunk cost is a prediction
-#: (docs/perf-notes.md) until ``tune_chunk_fwd.py`` measures it; with the flag on,
-#: ``forward`` uses it where the cost model prefers it to every ``chunk_fwd`` tiling.
-FWD_TRANSPOSED = False
-FWD_CHUNK_US_TRANSPOSED = 5.5
+#: 1): verified on the H200 2026-11-30 (test_transposed_kernel_matches_recurrence, 17
+#: passed). Per-chunk cost fitted there (``tune_chunk_fwd.py --tilings t,...``: 5.89-6.04
+#: us on 2/8, 8/32, 16/64 at 1x32768, 16/16 4x8192, 16/32 8x4096); ``forward`` uses it
+#: where the cost model prefers it to every ``chunk_fwd`` tiling (grids over one wave).
+FWD_TRANSPOSED = True
+FWD_CHUNK_US_TRANSPOSED = 5.93
+#: Issue its GEMMs asynchronously, waiting only where a result is read.
+FWD_T_OVERLAP = True
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
