@@ -31,23 +31,16 @@ DEFAULT_SHAPES = "16/64@1x32768,16/32@8x4096,16/16@4x8192,2/8@1x32768"
 
 def parse_tiling(spec: str) -> tuple:
     """``64x256`` -> (64, 256); ``64x256x3`` -> (64, 256, 3); ``t`` -> ("t",): the
-    transposed-state kernel ``chunk_fwd_t`` (one CTA per sequence x head), ``ts`` -> ("ts",):
-    the same with every GEMM waited for (``traits.FWD_T_OVERLAP`` off)."""
-    if spec in ("t", "ts"):
-        return (spec,)
+    transposed-state kernel ``chunk_fwd_t`` (one CTA per sequence x head)."""
+    if spec == "t":
+        return ("t",)
     parts = tuple(int(x) for x in spec.split("x"))
     if len(parts) not in (2, 3):
         raise argparse.ArgumentTypeError(f"bad tiling {spec!r}: expected BLOCK_VxTHREADS[xSTAGES]")
     return parts
 
 
-def _overlap(tiling: tuple, shipped: bool) -> bool:
-    """``traits.FWD_T_OVERLAP`` for a transposed tiling: as shipped for "t", off for "ts"."""
-    return tiling != ("ts",) and shipped
-
-
 def compile_tilings(tilings, dtype="bfloat16"):
-    from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
@@ -55,9 +48,8 @@ def compile_tilings(tilings, dtype="bfloat16"):
     chunk_prepare_kernel(dtype, 128)
     for t in tilings:
         for has_h0 in (False, True):
-            if t in (("t",), ("ts",)):
-                chunk_fwd_t_kernel(dtype, 128, 128, has_h0, False,
-                                   _overlap(t, traits.FWD_T_OVERLAP))
+            if t == ("t",):
+                chunk_fwd_t_kernel(dtype, 128, 128, has_h0, False)
             else:
                 chunk_fwd_kernel(dtype, 128, 128, has_h0, False, *t)
             print("compiled", "x".join(map(str, t)), "h0" if has_h0 else "", flush=True)
@@ -68,7 +60,6 @@ def run_shape(shape, tilings, args):
     from common import make_inputs, rel_err
 
     import flash_qla
-    from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
     from flash_qla_sm90.kernels.forward import TRANSPOSED, _fused, _packed, layout_for
 
@@ -97,21 +88,18 @@ def run_shape(shape, tilings, args):
     longest = int((lens.max() + 63) // 64)                 # chunks of the longest sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q_p, v_p = _packed(q), _packed(v)
-    shipped = traits.FWD_T_OVERLAP
     for t in tilings:
-        def fused(t=t, tiling=TRANSPOSED if t in (("t",), ("ts",)) else t):
-            traits.FWD_T_OVERLAP = _overlap(t, shipped)
+        def fused(t=TRANSPOSED if t == ("t",) else t):
             return _fused(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, scale=scale,
-                          initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=tiling)
+                          initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=t)
 
         o, final, _ = fused()
         err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
         ms = bench(fused)
-        block_v = 128 if t in (("t",), ("ts",)) else t[0]
+        block_v = 128 if t == ("t",) else t[0]
         rounds = -(-len(lens) * Hv * (128 // block_v) // sms)   # waves of one CTA per SM
         rows.append([shape.label, "x".join(map(str, t)), f"{err:.1e}", ms,
                      round(ms * 1e3 / (rounds * longest), 2)])
-    traits.FWD_T_OVERLAP = shipped
     return rows
 
 

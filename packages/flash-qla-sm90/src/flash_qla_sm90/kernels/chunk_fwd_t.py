@@ -32,13 +32,12 @@ ROWS = T.GemmWarpPolicy.FullRow     # warpgroups split M (= V): the RS operands'
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_fwd_t_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
-                       overlap: bool = False):
+def chunk_fwd_t_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool):
     """Build the transposed-state forward; arguments and outputs as ``chunk_fwd_kernel``
     (state layouts stay [.., K, V]: the kernel transposes on load and store).
-    ``overlap``: issue (K S0)^T, Q K^T, (Q S0)^T and O^T += U^T P^T asynchronously and
-    wait only where a result is read (experiment, timed against the synchronous chain)."""
-    gemm = T.wgmma_gemm if overlap else T.gemm
+    (K S0)^T, Q K^T, (Q S0)^T, U^T and O^T += U^T P^T are issued asynchronously
+    (``T.wgmma_gemm``) and waited for where a result is read: 2-4% faster than waiting
+    for each (H200, docs/perf-notes.md)."""
     C = CHUNK
     Tt, Hk, Hv, N, N1, NTh = T.dynamic("Tt, Hk, Hv, N, N1, NTh")
     f32 = "float32"
@@ -131,18 +130,18 @@ def chunk_fwd_t_kernel(dtype: str, K: int, V: int, has_initial_state: bool, stor
                         h_out[first_chunk + c, h, j, i] = st[i, j]
                 for i, j in T.Parallel(V, K):
                     st_b[i, j] = st[i, j]
-                gemm(st_b, k_shared, ks, transpose_B=True, clear_accum=True,
-                     policy=ROWS)                                                     # (K S0)^T
-                gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
-                gemm(st_b, q_shared, ot, transpose_B=True, clear_accum=True,
-                     policy=ROWS)                                                     # (Q S0)^T
+                T.wgmma_gemm(st_b, k_shared, ks, transpose_B=True, clear_accum=True,
+                             policy=ROWS)                                   # (K S0)^T
+                T.wgmma_gemm(q_shared, k_shared, qk_frag, transpose_B=True,
+                             clear_accum=True)                                # Q K^T
+                T.wgmma_gemm(st_b, q_shared, ot, transpose_B=True, clear_accum=True,
+                             policy=ROWS)                                   # (Q S0)^T
                 for i, j in T.Parallel(C, C):
                     ag_shared[i, j] = T.if_then_else(
                         (i >= j) & (i < rows),
                         a_shared[i, j] * T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
                         * beta_shared[j], 0.0)
-                if overlap:
-                    T.wait_wgmma(1)                                       # (K S0)^T, Q K^T
+                T.wait_wgmma(1)                                           # (K S0)^T, Q K^T
                 for i, j in T.Parallel(C, C):
                     p_shared[i, j] = T.if_then_else(
                         (i >= j) & (i < rows),
@@ -155,15 +154,14 @@ def chunk_fwd_t_kernel(dtype: str, K: int, V: int, has_initial_state: bool, stor
                     for t, j in T.Parallel(C, K):
                         if t >= rows:
                             k_shared[t, j] = T.cast(0, dtype)
-                gemm(r_b, ag_shared, u, transpose_B=True, clear_accum=True,
-                     policy=ROWS)                                                     # U^T
-                if overlap:
-                    T.wait_wgmma(0)                                       # U^T, (Q S0)^T
+                T.wgmma_gemm(r_b, ag_shared, u, transpose_B=True, clear_accum=True,
+                             policy=ROWS)                                   # U^T
+                T.wait_wgmma(0)                                           # U^T, (Q S0)^T
                 for i, t in T.Parallel(V, C):
                     u_b[i, t] = u[i, t]
                     du_b[i, t] = u[i, t] * ed_shared[t]
                     ot[i, t] = ot[i, t] * eg_shared[t]
-                gemm(u_b, p_shared, ot, transpose_B=True, policy=ROWS)                # + U^T P^T
+                T.wgmma_gemm(u_b, p_shared, ot, transpose_B=True, policy=ROWS)        # + U^T P^T
                 for i, j in T.Parallel(V, K):
                     st[i, j] = st[i, j] * eg_shared[C - 1]
                 T.gemm(du_b, k_shared, st, policy=ROWS)                               # + (U^T D) K

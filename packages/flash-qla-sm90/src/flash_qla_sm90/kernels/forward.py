@@ -128,8 +128,7 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
     if tiling == TRANSPOSED or (
             tiling is None and use_transposed(layout.num_seqs, Hv, K, V, _sm_count(q.device))):
-        kernel = chunk_fwd_t_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h,
-                                    traits.FWD_T_OVERLAP)
+        kernel = chunk_fwd_t_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
     else:
         if tiling is None:
             tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device))

@@ -54,8 +54,7 @@ def variants():
                     for tiling in tilings:
                         yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
                     if traits.FWD_TRANSPOSED and (K, V) == (128, 128):
-                        yield chunk_fwd_t_kernel, (dtype, K, V, has_h0, store_h,
-                                                      traits.FWD_T_OVERLAP)
+                        yield chunk_fwd_t_kernel, (dtype, K, V, has_h0, store_h)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:

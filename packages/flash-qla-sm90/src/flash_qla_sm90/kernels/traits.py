@@ -50,8 +50,6 @@ FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 #: where the cost model prefers it to every ``chunk_fwd`` tiling (grids over one wave).
 FWD_TRANSPOSED = True
 FWD_CHUNK_US_TRANSPOSED = 5.93
-#: Issue its GEMMs asynchronously, waiting only where a result is read.
-FWD_T_OVERLAP = True
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
