@@ -35,7 +35,8 @@ def test_prepare_kernel_compiles_to_wgmma(dtype):
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
 
     src = _source(chunk_prepare_kernel, dtype, 128)
-    assert "wgmma" in src
+    assert "wgmma" in src                               # K K^T
+    assert "kTensorFloat32" in src                      # the blocked inverse's products
 
 
 @pytest.mark.parametrize("dtype, has_h0, store_h", [("bfloat16", True, True),
@@ -71,6 +72,19 @@ def test_transposed_forward_keeps_the_state_chain_in_registers():
     assert src.count("tl::wgmma_rs<") >= 5
     assert "tma_load" in src
     assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
+
+
+def test_aux_warpgroup_forward_never_serialises_its_roles():
+    """chunk_fwd_ws: the state chain is register-A WGMMAs; the roles meet only on the
+    slot mbarriers (the one CTA-wide barrier is the barrier initialisation), and each
+    role sets its register budget."""
+    from flash_qla_sm90.kernels.chunk_fwd_ws import AUX_REGS, STATE_REGS, chunk_fwd_ws_kernel
+
+    src = _source(chunk_fwd_ws_kernel, "bfloat16", 128, 128, True, True)
+    assert src.count("tl::wgmma_rs<") >= 5
+    assert src.count("__syncthreads()") == 1
+    assert f"warpgroup_reg_alloc<{STATE_REGS}>" in src
+    assert f"warpgroup_reg_dealloc<{AUX_REGS}>" in src
 
 
 def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
@@ -112,18 +126,22 @@ def _global_accesses(src: str):
     return found
 
 
-@pytest.mark.parametrize("kernel", ["prepare", "fwd", "bwd_dh", "bwd_intra"])
+@pytest.mark.parametrize("kernel", ["prepare", "fwd", "fwd_t", "fwd_ws", "bwd_dh", "bwd_intra"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
     from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
+    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
+    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
 
     builder, args = {
         "prepare": (chunk_prepare_kernel, ("bfloat16", 128)),
         "fwd": (chunk_fwd_kernel, ("bfloat16", 128, 128, True, True)),
+        "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, True)),
+        "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, True)),
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
     }[kernel]

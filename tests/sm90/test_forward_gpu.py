@@ -163,7 +163,7 @@ def test_agrees_with_torch_backend(case):
     ref = flash_qla.chunk_gated_delta_rule_fwd(**inp, output_final_state=True, output_h=True,
                                                backend="torch")
     for name, a, b, tol in zip(("g_cumsum", "A", "o", "h", "final_state"), ours, ref,
-                               (1e-6, 1e-2, 5e-3, 5e-3, 5e-3)):
+                               (1e-6, 4e-3, 5e-3, 5e-3, 5e-3)):   # A: bf16 rounding
         assert a.shape == b.shape, name
         assert rel_l2(a.float(), b.float()) < tol, name
 
@@ -201,13 +201,16 @@ def test_nan_padding_never_reaches_valid_tokens(case):
     assert torch.equal(dirty[4], clean[4])
 
 
+@pytest.mark.parametrize("aux", [False, True], ids=["chunk_fwd_t", "chunk_fwd_ws"])
 @pytest.mark.parametrize("case", CASES + POISON_CASES[:2], ids=lambda c: c.id)
-def test_transposed_kernel_matches_recurrence(case, monkeypatch):
-    """chunk_fwd_t (traits.FWD_TRANSPOSED, forced by a zero cost): o and the final state
-    against the fp64 recurrence, h against the torch backend, padding rows zero."""
+def test_transposed_kernel_matches_recurrence(case, aux, monkeypatch):
+    """The transposed-state kernels (chunk_fwd_t; chunk_fwd_ws with the aux warpgroup),
+    forced by a zero cost: o and the final state against the fp64 recurrence, h against
+    the torch backend, padding rows zero."""
     from flash_qla_sm90.kernels import forward, traits
 
     monkeypatch.setattr(traits, "FWD_TRANSPOSED", True)
+    monkeypatch.setattr(traits, "FWD_AUX_WARPGROUP", aux)
     monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", 0.0)
     inp = make_inputs(case, seed=9)
     N = len(case.lens) if case.lens else case.B

@@ -19,7 +19,7 @@ zeroed in shared memory, dU's selected to 0, so NaN in padding never meets a GEM
 import tilelang
 import tilelang.language as T
 
-from .chunk_fwd import LOG2E
+from .tile_ops import LOG2E, zero_rows_past
 from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET
 
 
@@ -118,11 +118,8 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                 # Rows past the end may hold NaN/Inf (padding tokens), which the masks below
                 # would turn into 0 * NaN: zero q and k rows now (their GEMMs above are
                 # done), dO rows after E dO is built, and select dU's rows.
-                if rows < C:
-                    for i, j in T.Parallel(C, K):
-                        if i >= rows:
-                            q_shared[i, j] = T.cast(0, dtype)
-                            k_shared[i, j] = T.cast(0, dtype)
+                zero_rows_past(q_shared, rows)
+                zero_rows_past(k_shared, rows)
 
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
@@ -133,10 +130,7 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                 for i, j in T.Parallel(C, BV):
                     edo_shared[i, j] = T.if_then_else(
                         i < rows, do_shared[i, j] * T.exp2(gam_shared[i]) * scale, 0.0)
-                if rows < C:
-                    for i, j in T.Parallel(C, BV):
-                        if i >= rows:
-                            do_shared[i, j] = T.cast(0, dtype)
+                zero_rows_past(do_shared, rows)
                 T.gemm(p_shared, do_shared, du_frag, transpose_A=True, clear_accum=True)  # P^T dO
                 for i, j in T.Parallel(C, BV):
                     du_shared[i, j] = T.if_then_else(i < rows, du_frag[i, j] * scale + T.exp2(

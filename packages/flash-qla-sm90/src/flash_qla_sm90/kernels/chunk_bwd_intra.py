@@ -43,7 +43,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from .chunk_fwd import LOG2E
+from .tile_ops import LOG2E, zero_rows_past
 from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
 
 
@@ -168,15 +168,10 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
                     beta_shared[i] = beta_frag[i]
                 # Rows past the end may hold NaN/Inf (padding tokens): zero them, since a
                 # masked factor only cancels them if they are finite (0 * NaN = NaN).
-                if rows < C:
-                    for i, j in T.Parallel(C, K):
-                        if i >= rows:
-                            q_shared[i, j] = T.cast(0, dtype)
-                            k_shared[i, j] = T.cast(0, dtype)
-                    for i, j in T.Parallel(C, V):
-                        if i >= rows:
-                            u_shared[i, j] = T.cast(0, dtype)
-                            do_shared[i, j] = T.cast(0, dtype)
+                zero_rows_past(q_shared, rows)
+                zero_rows_past(k_shared, rows)
+                zero_rows_past(u_shared, rows)
+                zero_rows_past(do_shared, rows)
 
                 # S0, dS1: fp32 -> registers -> dtype operands, and <S0, dS1> row sums in fp32
                 T.clear(ss_acc)

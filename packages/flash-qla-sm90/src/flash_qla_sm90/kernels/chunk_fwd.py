@@ -24,14 +24,11 @@ exp(gam), exp(gam_C - gam) are computed once per chunk (64 exp2, not one per ele
 and the next chunk's gates are loaded into registers while this chunk computes.
 """
 
-import math
-
 import tilelang
 import tilelang.language as T
 
+from .tile_ops import fetch_gates, stage_gates, zero_rows_past
 from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET
-
-LOG2E = math.log2(math.e)
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
@@ -122,13 +119,8 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
                 T.copy(initial_state[n, h, :, v0:v0 + BV], s_frag)
             else:
                 T.clear(s_frag)
-            # gates of chunk 0 (rows past the end repeat the last valid gam, beta = 0)
-            for i in T.Parallel(C):
-                g_next[i] = T.if_then_else(
-                    seq_len > 0, g_cumsum[T.min(bos + i, last), h], 0.0)
-                glast_next[i] = T.if_then_else(
-                    seq_len > 0, g_cumsum[T.min(bos + C - 1, last), h], 0.0)
-                beta_next[i] = T.if_then_else(i < seq_len, beta[bos + i, h], 0.0)
+            if seq_len > 0:                                  # gates of chunk 0
+                fetch_gates(g_cumsum, beta, h, bos, last, g_next, glast_next, beta_next)
 
             for c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=stages):
                 t0 = bos + c * C
@@ -140,16 +132,10 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
                 # Gates go global -> registers -> shared inside the consumer: a direct
                 # global -> shared copy would join the producer's stage ring and be
                 # released (and overwritten) with q, while it is still being read.
-                for i in T.Parallel(C):
-                    gam_shared[i] = g_next[i] * LOG2E
-                    eg_shared[i] = T.exp2(g_next[i] * LOG2E)
-                    ed_shared[i] = T.exp2((glast_next[i] - g_next[i]) * LOG2E)
-                    beta_shared[i] = beta_next[i]
+                stage_gates(g_next, glast_next, beta_next, gam_shared, eg_shared, ed_shared,
+                            beta_shared)
                 # prefetch chunk c + 1 (clamped to this sequence; unused after the last)
-                for i in T.Parallel(C):
-                    g_next[i] = g_cumsum[T.min(t0 + C + i, last), h]
-                    glast_next[i] = g_cumsum[T.min(t0 + 2 * C - 1, last), h]
-                    beta_next[i] = T.if_then_else(t0 + C + i <= last, beta[t0 + C + i, h], 0.0)
+                fetch_gates(g_cumsum, beta, h, t0 + C, last, g_next, glast_next, beta_next)
 
                 if store_h:
                     T.copy(s_frag, h_out[first_chunk + c, h, :, v0:v0 + BV])
@@ -181,10 +167,7 @@ def chunk_fwd_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_
                 # which may hold NaN/Inf: X's rows past the end are selected to 0 above,
                 # and K's are zeroed here (K S0 and Q K^T have completed; only their
                 # masked rows/columns read them), since K^T (D U) would make 0 * NaN = NaN.
-                if rows < C:
-                    for i, j in T.Parallel(C, K):
-                        if i >= rows:
-                            k_shared[i, j] = T.cast(0, dtype)
+                zero_rows_past(k_shared, rows)
                 for i, j in T.Parallel(C, BV):
                     u_shared[i, j] = u_frag[i, j]
                     du_shared[i, j] = ed_shared[i] * u_frag[i, j]

@@ -25,7 +25,7 @@ test_transposed_kernel_matches_recurrence passes on an H200. Step 2 of the plan
 import tilelang
 import tilelang.language as T
 
-from .chunk_fwd import LOG2E
+from .tile_ops import fetch_gates, stage_gates, zero_rows_past
 from .traits import CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET
 
 ROWS = T.GemmWarpPolicy.FullRow     # warpgroups split M (= V): the RS operands' layout
@@ -101,12 +101,8 @@ def chunk_fwd_t_kernel(dtype: str, K: int, V: int, has_initial_state: bool, stor
                     st[i, j] = initial_state[n, h, j, i]
             else:
                 T.clear(st)
-            for i in T.Parallel(C):
-                g_next[i] = T.if_then_else(
-                    seq_len > 0, g_cumsum[T.min(bos + i, last), h], 0.0)
-                glast_next[i] = T.if_then_else(
-                    seq_len > 0, g_cumsum[T.min(bos + C - 1, last), h], 0.0)
-                beta_next[i] = T.if_then_else(i < seq_len, beta[bos + i, h], 0.0)
+            if seq_len > 0:                                  # gates of chunk 0
+                fetch_gates(g_cumsum, beta, h, bos, last, g_next, glast_next, beta_next)
 
             for c in T.Pipelined(T.ceildiv(seq_len, C), num_stages=FWD_STAGES):
                 t0 = bos + c * C
@@ -115,15 +111,9 @@ def chunk_fwd_t_kernel(dtype: str, K: int, V: int, has_initial_state: bool, stor
                 T.copy(k[t0:t0 + C, hk, :], k_shared)
                 T.copy(v[t0:t0 + C, h, :], v_shared)
                 T.copy(A[t0:t0 + C, h, :], a_shared)
-                for i in T.Parallel(C):
-                    gam_shared[i] = g_next[i] * LOG2E
-                    eg_shared[i] = T.exp2(g_next[i] * LOG2E)
-                    ed_shared[i] = T.exp2((glast_next[i] - g_next[i]) * LOG2E)
-                    beta_shared[i] = beta_next[i]
-                for i in T.Parallel(C):
-                    g_next[i] = g_cumsum[T.min(t0 + C + i, last), h]
-                    glast_next[i] = g_cumsum[T.min(t0 + 2 * C - 1, last), h]
-                    beta_next[i] = T.if_then_else(t0 + C + i <= last, beta[t0 + C + i, h], 0.0)
+                stage_gates(g_next, glast_next, beta_next, gam_shared, eg_shared, ed_shared,
+                            beta_shared)
+                fetch_gates(g_cumsum, beta, h, t0 + C, last, g_next, glast_next, beta_next)
 
                 if store_h:
                     for i, j in T.Parallel(V, K):
@@ -150,10 +140,7 @@ def chunk_fwd_t_kernel(dtype: str, K: int, V: int, has_initial_state: bool, stor
                     r_b[i, t] = T.if_then_else(
                         t < rows, v_shared[t, i] - eg_shared[t] * ks[i, t], 0.0)
                 # K's rows past the end (NaN in padding): zeroed once K S0 / Q K^T are done
-                if rows < C:
-                    for t, j in T.Parallel(C, K):
-                        if t >= rows:
-                            k_shared[t, j] = T.cast(0, dtype)
+                zero_rows_past(k_shared, rows)
                 T.wgmma_gemm(r_b, ag_shared, u, transpose_B=True, clear_accum=True,
                              policy=ROWS)                                   # U^T
                 T.wait_wgmma(0)                                           # U^T, (Q S0)^T

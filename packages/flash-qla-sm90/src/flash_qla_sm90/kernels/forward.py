@@ -10,6 +10,7 @@ import torch
 from . import traits
 from .chunk_fwd import chunk_fwd_kernel
 from .chunk_fwd_t import chunk_fwd_t_kernel
+from .chunk_fwd_ws import chunk_fwd_ws_kernel
 from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
 from .chunk_prepare import chunk_prepare_kernel
 from .traits import CHUNK
@@ -128,7 +129,8 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
     if tiling == TRANSPOSED or (
             tiling is None and use_transposed(layout.num_seqs, Hv, K, V, _sm_count(q.device))):
-        kernel = chunk_fwd_t_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
+        build = chunk_fwd_ws_kernel if traits.FWD_AUX_WARPGROUP else chunk_fwd_t_kernel
+        kernel = build(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
     else:
         if tiling is None:
             tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device))

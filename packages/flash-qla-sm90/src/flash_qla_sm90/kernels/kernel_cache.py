@@ -42,6 +42,7 @@ def variants():
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_fwd_t import chunk_fwd_t_kernel
+    from .chunk_fwd_ws import chunk_fwd_ws_kernel
     from .chunk_prepare import chunk_prepare_kernel
 
     tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
@@ -54,7 +55,8 @@ def variants():
                     for tiling in tilings:
                         yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
                     if traits.FWD_TRANSPOSED and (K, V) == (128, 128):
-                        yield chunk_fwd_t_kernel, (dtype, K, V, has_h0, store_h)
+                        yield (chunk_fwd_ws_kernel if traits.FWD_AUX_WARPGROUP
+                               else chunk_fwd_t_kernel), (dtype, K, V, has_h0, store_h)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:

@@ -50,6 +50,10 @@ FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 #: where the cost model prefers it to every ``chunk_fwd`` tiling (grids over one wave).
 FWD_TRANSPOSED = True
 FWD_CHUNK_US_TRANSPOSED = 5.93
+#: The transposed forward as ``chunk_fwd_ws`` (v3 step 2: Q K^T, Ag, P, gates and loads
+#: on an auxiliary warpgroup one chunk ahead) instead of ``chunk_fwd_t``: compiled, not
+#: yet run on a GPU, so off.
+FWD_AUX_WARPGROUP = False
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2

@@ -1,0 +1,184 @@
+"""Fused forward with the transposed state and an auxiliary warpgroup one chunk ahead.
+
+Same math and outputs as ``chunk_fwd_t`` (gdn-math.md, "Chunked form", written for S^T);
+what changes is who does what. Three warpgroups per CTA, one CTA per (sequence, value
+head), roles fixed by ``T.ws``:
+
+- warpgroups 0, 1 (state, 64 rows of S^T each, S^T in registers): per chunk only the
+  register-A WGMMA chain and its element-wise steps,
+
+      O^T = S0^T Q^T,  R = V^T - (K S0)^T E,  U^T = R Ag^T,
+      O^T = scale (O^T E + U^T P^T),  S1^T = exp(gam_C) S0^T + (U^T D) K;
+
+- warpgroup 2 (aux): loads chunk c + 1 (q, k, v, A, gates; rows past the sequence's end
+  loaded as 0, so NaN in padding never enters), computes Q K^T on the tensor cores and
+  the masked, gated Ag = (G * A) diag(beta) and P = G * tril(Q K^T), and the per-row
+  factors exp(gam), exp(gam_C - gam), into one of two shared-memory slots.
+
+Step c of the loop runs the aux part for chunk c and the state part for chunk c - 1 side
+by side; the two meet at one CTA barrier per step (TileLang places it between the two
+role blocks), so a slot is never written while it is read. Nothing of the chunk's
+state-independent work (Q K^T, the gate exponentials, masks, loads) is left on the state
+chain, and the state warpgroups never synchronise with each other.
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .tile_ops import LOG2E
+from .traits import CHUNK, PASS_CONFIGS, TARGET
+
+ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
+#: setmaxnreg budgets (384 threads, 64K registers): the state warpgroups hold S^T (64 fp32
+#: + 32 packed) and the chunk's [V, C] tiles; the aux one a 64 x 64 accumulator.
+STATE_REGS, AUX_REGS = 208, 96
+#: Named barrier of the aux warpgroup (0 is __syncthreads'; TileLang's own use 3 and up).
+AUX_BARRIER = 1
+
+
+# Every synchronisation is written out: TileLang's automatic one would put CTA-wide
+# barriers between the two roles' blocks and serialise them.
+@tilelang.jit(target=TARGET, pass_configs={
+    **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool):
+    """Build the forward; arguments and outputs as ``chunk_fwd_kernel`` (state layouts
+    [.., K, V]; the kernel transposes on load and store)."""
+    C = CHUNK
+    Tt, Hk, Hv, N, N1, NTh = T.dynamic("Tt, Hk, Hv, N, N1, NTh")
+    f32 = "float32"
+
+    @T.prim_func
+    def chunk_fwd_ws(
+        q: T.Tensor((Tt, Hk, K), dtype),
+        k: T.Tensor((Tt, Hk, K), dtype),
+        v: T.Tensor((Tt, Hv, V), dtype),
+        g_cumsum: T.Tensor((Tt, Hv), f32),
+        beta: T.Tensor((Tt, Hv), f32),
+        A: T.Tensor((Tt, Hv, C), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        initial_state: T.Tensor((N, Hv, K, V), f32),
+        scale: T.float32,
+        o: T.Tensor((Tt, Hv, V), dtype),
+        final_state: T.Tensor((N, Hv, K, V), f32),
+        h_out: T.Tensor((NTh, Hv, K, V), f32),
+    ):
+        with T.Kernel(N * Hv, threads=384) as bx:
+            # two slots of everything the aux warpgroup prepares for one chunk
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            v_s = T.alloc_shared((2, C, V), dtype)
+            ag_s = T.alloc_shared((2, C, C), dtype)
+            p_s = T.alloc_shared((2, C, C), dtype)
+            eg_s = T.alloc_shared((2, C), f32)                # exp(gam)
+            ed_s = T.alloc_shared((2, C), f32)                # exp(gam_C - gam)
+            # aux-only
+            a_s = T.alloc_shared((C, C), dtype)
+            gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
+            beta_s = T.alloc_shared((C,), f32)
+            qk = T.alloc_fragment((C, C), f32)
+            # state-only (S^T [V, K] and the chunk's [V, C] tiles)
+            st = T.alloc_fragment((V, K), f32)
+            st_b = T.alloc_fragment((V, K), dtype)
+            ks = T.alloc_fragment((V, C), f32)                # (K S0)^T, then U^T
+            r_b = T.alloc_fragment((V, C), dtype)             # R, then U^T in dtype
+            du_b = T.alloc_fragment((V, C), dtype)            # U^T D
+            ot = T.alloc_fragment((V, C), f32)                # O^T
+
+            n = T.alloc_var("int32", init=bx // Hv)
+            h = T.alloc_var("int32", init=bx % Hv)
+            hk = T.alloc_var("int32", init=h // (Hv // Hk))
+            bos = T.alloc_var("int32", init=cu_seqlens[n])
+            seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
+            last = T.alloc_var("int32", init=bos + seq_len - 1)
+            first_chunk = T.alloc_var("int32", init=chunk_offsets[n])
+            chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
+
+            # slot s of chunk c: aux -> state "full" (128 arrivals), state -> aux "empty"
+            full = T.alloc_barrier([128, 128])
+            empty = T.alloc_barrier([256, 256])
+
+            with T.ws(2):                                     # aux: chunk c into slot c % 2
+                T.dec_max_nreg(AUX_REGS)
+                for c in T.serial(chunks):
+                    a0 = bos + c * C
+                    a_rows = T.min(seq_len - c * C, C)
+                    sa = c % 2
+                    T.barrier_wait(empty[sa], (c // 2) % 2 ^ 1)   # slot read (chunk c - 2)
+                    # rows past the end are loaded as 0 (NaN-safe padding)
+                    for i, j in T.Parallel(C, K):
+                        q_s[sa, i, j] = T.if_then_else(
+                            i < a_rows, q[a0 + i, hk, j], T.cast(0, dtype))
+                        k_s[sa, i, j] = T.if_then_else(
+                            i < a_rows, k[a0 + i, hk, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(C, V):
+                        v_s[sa, i, j] = T.if_then_else(
+                            i < a_rows, v[a0 + i, h, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(C, C):
+                        a_s[i, j] = T.if_then_else(
+                            i < a_rows, A[a0 + i, h, j], T.cast(0, dtype))
+                    # gates: rows past the end repeat the last gam and get beta = 0
+                    for i in T.Parallel(C):
+                        gam = g_cumsum[T.min(a0 + i, last), h]
+                        gam_last = g_cumsum[T.min(a0 + C - 1, last), h]
+                        gam_s[i] = gam * LOG2E
+                        beta_s[i] = T.if_then_else(i < a_rows, beta[a0 + i, h], 0.0)
+                        eg_s[sa, i] = T.exp2(gam * LOG2E)
+                        ed_s[sa, i] = T.exp2((gam_last - gam) * LOG2E)
+                    T.fence_proxy_async()
+                    T.sync_threads(AUX_BARRIER, 128)
+                    T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,
+                           clear_accum=True)                                      # Q K^T
+                    for i, j in T.Parallel(C, C):
+                        live = (i >= j) & (i < a_rows)
+                        decay = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))
+                        ag_s[sa, i, j] = T.if_then_else(live, a_s[i, j] * decay * beta_s[j], 0.0)
+                        p_s[sa, i, j] = T.if_then_else(live, qk[i, j] * decay, 0.0)
+                    T.fence_proxy_async()            # generic stores -> WGMMA operand reads
+                    T.barrier_arrive(full[sa])
+                    T.sync_threads(AUX_BARRIER, 128)      # a_s, gam_s, beta_s read by all
+
+            with T.ws(0, 1):                                  # state: chunk c from its slot
+                T.inc_max_nreg(STATE_REGS)
+                if has_initial_state:
+                    for i, j in T.Parallel(V, K):
+                        st[i, j] = initial_state[n, h, j, i]
+                else:
+                    T.clear(st)
+                for c in T.serial(chunks):
+                    t0 = bos + c * C
+                    rows = T.min(seq_len - c * C, C)
+                    ss = c % 2
+                    if store_h:
+                        for i, j in T.Parallel(V, K):
+                            h_out[first_chunk + c, h, j, i] = st[i, j]
+                    for i, j in T.Parallel(V, K):
+                        st_b[i, j] = st[i, j]
+                    T.barrier_wait(full[ss], (c // 2) % 2)
+                    T.wgmma_gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
+                                 clear_accum=True, policy=ROWS)                   # (K S0)^T
+                    T.wgmma_gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
+                                 clear_accum=True, policy=ROWS)                   # (Q S0)^T
+                    T.wait_wgmma(1)
+                    for i, t in T.Parallel(V, C):
+                        r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
+                    T.wgmma_gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
+                                 clear_accum=True, policy=ROWS)                   # U^T
+                    T.wait_wgmma(0)
+                    for i, t in T.Parallel(V, C):
+                        r_b[i, t] = ks[i, t]
+                        du_b[i, t] = ks[i, t] * ed_s[ss, t]
+                        ot[i, t] = ot[i, t] * eg_s[ss, t]
+                    T.wgmma_gemm(r_b, p_s[ss, :, :], ot, transpose_B=True,
+                                 policy=ROWS)                                     # + U^T P^T
+                    for i, j in T.Parallel(V, K):
+                        st[i, j] = st[i, j] * eg_s[ss, C - 1]
+                    T.gemm(du_b, k_s[ss, :, :], st, policy=ROWS)                 # + (U^T D) K
+                    T.barrier_arrive(empty[ss])
+                    for i, t in T.Parallel(V, C):
+                        if t < rows:
+                            o[t0 + t, h, i] = T.cast(ot[i, t] * scale, dtype)
+                for i, j in T.Parallel(V, K):
+                    final_state[n, h, j, i] = st[i, j]
+
+    return chunk_fwd_ws
