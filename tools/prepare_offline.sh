@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare the offline GPU bundle on the CPU machine, once per checkout (~6 min):
+# Prepare the offline GPU bundle on the CPU machine, once per checkout (~15 min):
 # TileLang + FLA (+ FlashQLA 0.1.3 as a peer) wheels, and every sm90 kernel compiled for
 # sm_90a into a fresh .offline-gpu/tilelang-cache, so device minutes go to running, not
 # compiling. With ~/.cache/offline-gpu/gdn_prefill_sm90.so (built by
@@ -11,19 +11,25 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 grep -qx '/.offline-gpu/' .git/info/exclude 2>/dev/null || echo /.offline-gpu/ >> .git/info/exclude
 FI_SO=${FLASHINFER_GDN_SO:-$HOME/.cache/offline-gpu/gdn_prefill_sm90.so}
-if [[ -f $FI_SO ]]; then
-  FLASHQLA_PEER=${FLASHQLA_PEER:-1} FLASHINFER_GDN_SO=$FI_SO ../shared/offline-gpu/make-bundle .offline-gpu
-else
-  FLASHQLA_PEER=${FLASHQLA_PEER:-1} ../shared/offline-gpu/make-bundle .offline-gpu --no-flashinfer
+if [[ ${1:-} != --kernels-only ]]; then
+  if [[ -f $FI_SO ]]; then
+    FLASHQLA_PEER=${FLASHQLA_PEER:-1} FLASHINFER_GDN_SO=$FI_SO ../shared/offline-gpu/make-bundle .offline-gpu
+  else
+    FLASHQLA_PEER=${FLASHQLA_PEER:-1} ../shared/offline-gpu/make-bundle .offline-gpu --no-flashinfer
+  fi
+  python3 -m pip install -q torch==2.13.0 tilelang==0.1.15   # the compiler, CPU side
 fi
-python3 -m pip install -q torch==2.13.0 tilelang==0.1.15   # the compiler, CPU side
-rm -rf .offline-gpu/tilelang-cache        # stale entries of edited kernels only add size
+# Kernels are compiled into CACHE (kept between runs: only edited kernels recompile; a
+# stale entry adds ~20 KB) and shipped as tilelang-cache.tar.xz, which activate.sh unpacks
+# on the device (~1 MB instead of ~19 MB of .so and sources). cuda-binaries/ is nvcc's
+# compile cache (cubins by source hash): loading needs only linux-x86_64/kernels/
+# (checked), so it stays here. `--kernels-only` redoes just this part (after a kernel edit).
+CACHE=${TILELANG_BUNDLE_CACHE:-$HOME/.cache/offline-gpu/tilelang-cache}
+rm -rf .offline-gpu/tilelang-cache
 TILELANG_PRINT_ON_COMPILATION=0 \
   PYTHONPATH=packages/flash-qla-sm90/src:packages/flash-qla-core/src \
-  python3 -m flash_qla_sm90.kernels.kernel_cache .offline-gpu/tilelang-cache
-# cuda-binaries/ is nvcc's compile cache (cubins by source hash): loading a kernel needs
-# only linux-x86_64/kernels/ (checked: no recompilation without it), so it stays here.
-rm -rf .offline-gpu/tilelang-cache/*/cuda-binaries
+  python3 -m flash_qla_sm90.kernels.kernel_cache "$CACHE"
+tar cJf .offline-gpu/tilelang-cache.tar.xz -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
 bytes=$(( $(du -sb .offline-gpu | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))
 echo "tree + .offline-gpu: $((bytes / 1048576)) MiB (the device refuses > 64 MiB)"
 (( bytes < 64 * 1048576 )) || { echo "too large: drop the FlashQLA peer (FLASHQLA_PEER=0) or FlashInfer" >&2; exit 1; }
