@@ -35,8 +35,7 @@ def test_prepare_kernel_compiles_to_wgmma(dtype):
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
 
     src = _source(chunk_prepare_kernel, dtype, 128)
-    assert "wgmma" in src                               # K K^T
-    assert "kTensorFloat32" in src                      # the blocked inverse's products
+    assert "wgmma" in src
 
 
 @pytest.mark.parametrize("dtype, has_h0, store_h", [("bfloat16", True, True),
@@ -76,15 +75,13 @@ def test_transposed_forward_keeps_the_state_chain_in_registers():
 
 def test_aux_warpgroup_forward_never_serialises_its_roles():
     """chunk_fwd_ws: the state chain is register-A WGMMAs; the roles meet only on the
-    slot mbarriers (the one CTA-wide barrier is the barrier initialisation), and each
-    role sets its register budget."""
-    from flash_qla_sm90.kernels.chunk_fwd_ws import AUX_REGS, STATE_REGS, chunk_fwd_ws_kernel
+    slot mbarriers (the one CTA-wide barrier is the barrier initialisation)."""
+    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
 
     src = _source(chunk_fwd_ws_kernel, "bfloat16", 128, 128, True, True)
     assert src.count("tl::wgmma_rs<") >= 5
     assert src.count("__syncthreads()") == 1
-    assert f"warpgroup_reg_alloc<{STATE_REGS}>" in src
-    assert f"warpgroup_reg_dealloc<{AUX_REGS}>" in src
+    assert src.count("].wait(") == 2 and src.count("].arrive()") == 2   # full / empty slots
 
 
 def test_backward_dh_kernel_compiles_to_wgmma_and_tma():

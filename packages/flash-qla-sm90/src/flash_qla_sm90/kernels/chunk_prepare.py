@@ -6,28 +6,22 @@ For each chunk (rows i, j in [0, C)) and value head (gdn-math.md, "Chunked form"
     N   = strictly_lower(diag(beta) K K^T)            # [C, C]
     A   = (I + N)^-1                                  # [C, C] unit lower-triangular
 
-A depends only on k and beta, so no exponent of the gate enters it. The inverse is
-blocked over the four 16 x 16 diagonal blocks (block lower-triangular algebra):
+A depends only on k and beta, so no exponent of the gate enters it. The inverse is a
+forward substitution done in fp32: thread j owns column j of A,
+``A[i, j] = delta_ij - sum_{m<i} N[i, m] A[m, j]``, evaluated right-looking (row m,
+once final, is subtracted from all later rows) so the dependent chain is C steps; N^T
+lives in shared memory and is read by broadcast, so the sweep needs no barrier. Rows
+past the end of a sequence act as k = beta = 0 and are not written.
 
-    N = N_d + N_o              N_d: the diagonal blocks, N_o: the blocks below them
-    D = (I + N_d)^-1           four 16 x 16 forward substitutions in fp32 (CUDA cores)
-    M = D N_o                  strictly block-lower, so M^4 = 0 and
-    A = (I + M)^-1 D = (I - M)(I + M^2) D = X - M X,   X = (I + M^2) D
-
-four 64 x 64 x 64 products on the tensor cores in TF32 (fp32 accumulation; operands
-truncated to 10 mantissa bits, an error of <1e-3 of A that sits below the bf16 rounding of
-the stored A: checked on the CPU, tests/sm90/test_prepare_algorithm.py). Rows past the
-end of a sequence act as k = beta = 0 (selected, so NaN in padding never enters) and are
-not written.
+One CTA (one warpgroup) takes two consecutive chunks of the grid, so that the 128
+threads run two substitutions at once (one column per thread) instead of leaving half
+of them idle.
 """
 
 import tilelang
 import tilelang.language as T
 
 from .traits import CHUNK, PASS_CONFIGS, PREPARE_THREADS, TARGET
-
-#: Side of the diagonal blocks inverted by substitution.
-BLOCK = 16
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
@@ -42,11 +36,31 @@ def chunk_prepare_kernel(dtype: str, K: int):
         chunk_idx   [NTmax, 2]   int32, (sequence, chunk within it); -1 rows are skipped
         g_cumsum    [Tt, Hv]     fp32 out
         A           [Tt, Hv, C]  dtype out
-    One CTA (one warpgroup) per (chunk, value head).
     """
-    C, B = CHUNK, BLOCK
+    C = CHUNK
     Tt, Hk, Hv, N1, NTmax = T.dynamic("Tt, Hk, Hv, N1, NTmax")
     f32 = "float32"
+
+    @T.macro
+    def build_nt(kkt_frag, nt_shared, beta_shared, slot, rows):
+        """N^T of pair slot ``slot`` from its K K^T (rows past the end: zero)."""
+        for i, j in T.Parallel(C, C):
+            nt_shared[slot, j, i] = T.if_then_else(
+                (i > j) & (i < rows), beta_shared[slot, i] * kkt_frag[i, j], 0.0)
+
+    @T.macro
+    def substitute(a_col, nt_shared, slot, col):
+        """Column ``col`` of A = (I + N)^-1 by forward substitution, right-looking: once
+        a_col[m] is final it is pushed into every later row, so the dependent chain is C
+        steps long (each with ~C - m independent FMAs) instead of the C (C - 1) / 2 of a
+        row-by-row dot product. Column m of N is row m of N^T: contiguous, read 4 floats
+        per load from the aligned row lo = 4 floor((m + 1) / 4) (N[r, m] = 0, r <= m)."""
+        for i in T.unroll(C):
+            a_col[i] = T.if_then_else(i == col, 1.0, 0.0)
+        for m in T.unroll(C - 1):
+            for r in T.unroll(C - (m + 1) // 4 * 4):
+                a_col[(m + 1) // 4 * 4 + r] -= (
+                    nt_shared[slot, m, (m + 1) // 4 * 4 + r] * a_col[m])
 
     @T.prim_func
     def chunk_prepare(
@@ -58,75 +72,76 @@ def chunk_prepare_kernel(dtype: str, K: int):
         g_cumsum: T.Tensor((Tt, Hv), f32),
         A: T.Tensor((Tt, Hv, C), dtype),
     ):
-        with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
-            k_shared = T.alloc_shared((C, K), dtype)
-            kkt_frag = T.alloc_fragment((C, C), f32)
-            nd_shared = T.alloc_shared((C, C), f32)          # N_d, later I + M^2
-            no_shared = T.alloc_shared((C, C), f32)          # N_o, later X
-            d_shared = T.alloc_shared((C, C), f32)           # D (block diagonal)
-            m_shared = T.alloc_shared((C, C), f32)           # M = D N_o
-            prod_frag = T.alloc_fragment((C, C), f32)        # each product in turn
-            beta_shared = T.alloc_shared((C,), f32)
-            g_shared = T.alloc_shared((C,), f32)
-            d_col = T.alloc_local((B,), f32)                 # one column of a D block
+        # Two chunks per CTA (slots 0, 1), so that all four warps run a substitution.
+        with T.Kernel(T.ceildiv(NTmax, 2) * Hv, threads=PREPARE_THREADS) as bid:
+            k0_shared = T.alloc_shared((C, K), dtype)
+            k1_shared = T.alloc_shared((C, K), dtype)
+            kkt0_frag = T.alloc_fragment((C, C), f32)
+            kkt1_frag = T.alloc_fragment((C, C), f32)
+            nt_shared = T.alloc_shared((2, C, C), f32)        # N^T per slot (N: see above)
+            beta_shared = T.alloc_shared((2, C), f32)
+            g_shared = T.alloc_shared((2, C), f32)
+            a_col = T.alloc_local((C,), f32)                  # one column of A per thread
             acc = T.alloc_local((1,), f32)
-            x_shared = no_shared                             # N_o is dead once M is
-            m2_shared = nd_shared                            # N_d is dead once D is
 
-            # Scalars in registers (T.alloc_var): let-bindings would be re-read from
-            # global memory at every use.
-            c = T.alloc_var("int32", init=bid // Hv)
+            # Scalars live in registers (T.alloc_var): as plain let-bindings TileLang
+            # re-reads them from global memory at every use, inside unrolled loops too.
+            c0 = T.alloc_var("int32", init=bid // Hv * 2)    # the pair's first chunk
             h = T.alloc_var("int32", init=bid % Hv)
             hk = T.alloc_var("int32", init=h // (Hv // Hk))  # GVA: value head -> q/k head
-            seq = T.alloc_var("int32", init=chunk_idx[c, 0])
-            t0 = T.alloc_var("int32", init=T.if_then_else(
-                seq >= 0, cu_seqlens[T.max(seq, 0)] + chunk_idx[c, 1] * C, 0))
-            rows = T.alloc_var("int32", init=T.if_then_else(
-                seq >= 0, T.min(cu_seqlens[T.max(seq, 0) + 1] - t0, C), 0))     # 0..C
-            if seq >= 0:
-                for i in T.Parallel(C):
-                    beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
-                    g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
-                T.copy(k[t0:t0 + C, hk, :], k_shared)
-                T.clear(d_shared)
-                T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
-                # N split by blocks; rows past the end are selected to 0 (NaN-safe)
-                for i, j in T.Parallel(C, C):
-                    nd_shared[i, j] = T.if_then_else(
-                        (i > j) & (i < rows) & (i // B == j // B),
-                        beta_shared[i] * kkt_frag[i, j], 0.0)
-                    no_shared[i, j] = T.if_then_else(
-                        (i // B > j // B) & (i < rows), beta_shared[i] * kkt_frag[i, j], 0.0)
+            seq0 = T.alloc_var("int32", init=chunk_idx[c0, 0])
+            seq1 = T.alloc_var("int32", init=T.if_then_else(
+                c0 + 1 < NTmax, chunk_idx[T.min(c0 + 1, NTmax - 1), 0], -1))
+            # Every global load of both chunks is issued before the first wait: the
+            # token offsets, then k, g and beta of both slots together (a slot without a
+            # chunk reads rows 0.. of its head and keeps rows = 0, so all is masked).
+            t00 = T.alloc_var("int32", init=T.if_then_else(
+                seq0 >= 0, cu_seqlens[T.max(seq0, 0)] + chunk_idx[c0, 1] * C, 0))
+            t01 = T.alloc_var("int32", init=T.if_then_else(
+                seq1 >= 0, cu_seqlens[T.max(seq1, 0)]
+                + chunk_idx[T.min(c0 + 1, NTmax - 1), 1] * C, 0))
+            rows0 = T.alloc_var("int32", init=T.if_then_else(
+                seq0 >= 0, T.min(cu_seqlens[T.max(seq0, 0) + 1] - t00, C), 0))   # 0..C
+            rows1 = T.alloc_var("int32", init=T.if_then_else(
+                seq1 >= 0, T.min(cu_seqlens[T.max(seq1, 0) + 1] - t01, C), 0))
+            for sl, i in T.Parallel(2, C):
+                beta_shared[sl, i] = T.if_then_else(
+                    i < T.if_then_else(sl == 0, rows0, rows1),
+                    beta[T.if_then_else(sl == 0, t00, t01) + i, h], 0.0)
+                g_shared[sl, i] = T.if_then_else(
+                    i < T.if_then_else(sl == 0, rows0, rows1),
+                    g[T.if_then_else(sl == 0, t00, t01) + i, h], 0.0)
+            T.copy(k[t00:t00 + C, hk, :], k0_shared)
+            T.copy(k[t01:t01 + C, hk, :], k1_shared)
+            T.wgmma_gemm(k0_shared, k0_shared, kkt0_frag, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(k1_shared, k1_shared, kkt1_frag, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            build_nt(kkt0_frag, nt_shared, beta_shared, 0, rows0)
+            build_nt(kkt1_frag, nt_shared, beta_shared, 1, rows1)
 
-                tx = T.get_thread_binding()
-                if tx < C:
-                    # chunk-local cumsum of the gate, row tx
-                    acc[0] = 0.0
-                    for m in T.unroll(C):
-                        acc[0] += T.if_then_else(m <= tx, g_shared[m], 0.0)
-                    if tx < rows:
-                        g_cumsum[t0 + tx, h] = acc[0]
-                    # column tx % B of diagonal block tx // B of D, right-looking
-                    # substitution: d[r] -= N[r, m] d[m] once d[m] is final
-                    blk = tx // B * B
-                    for i in T.unroll(B):
-                        d_col[i] = T.if_then_else(i == tx % B, 1.0, 0.0)
-                    for m in T.unroll(B - 1):
-                        for r in T.unroll(B - 1 - m):
-                            d_col[m + 1 + r] -= nd_shared[blk + m + 1 + r, blk + m] * d_col[m]
-                    for i in T.unroll(B):
-                        d_shared[blk + i, tx] = d_col[i]
-
-                T.gemm(d_shared, no_shared, prod_frag, clear_accum=True)          # M = D N_o
-                T.copy(prod_frag, m_shared)
-                T.gemm(m_shared, m_shared, prod_frag, clear_accum=True)           # M^2
-                for i, j in T.Parallel(C, C):
-                    m2_shared[i, j] = T.if_then_else(i == j, 1.0, 0.0) + prod_frag[i, j]
-                T.gemm(m2_shared, d_shared, prod_frag, clear_accum=True)          # X
-                T.copy(prod_frag, x_shared)
-                T.gemm(m_shared, x_shared, prod_frag, clear_accum=True)           # M X
-                for i, j in T.Parallel(C, C):
+            tx = T.get_thread_binding()
+            slot = T.alloc_var("int32", init=tx // C)        # warps 0-1: slot 0, 2-3: slot 1
+            col = T.alloc_var("int32", init=tx % C)
+            mine = T.alloc_var("int32", init=T.if_then_else(slot == 0, seq0, seq1))
+            t0 = T.alloc_var("int32", init=T.if_then_else(slot == 0, t00, t01))
+            rows = T.alloc_var("int32", init=T.if_then_else(slot == 0, rows0, rows1))
+            if mine >= 0:
+                # chunk-local cumsum of the gate, row col (unrolled: the loads issue
+                # back to back instead of one shared-memory round trip per step)
+                acc[0] = 0.0
+                for m in T.unroll(C):
+                    acc[0] += T.if_then_else(m <= col, g_shared[slot, m], 0.0)
+                if col < rows:
+                    g_cumsum[t0 + col, h] = acc[0]
+                # one copy of the unrolled sweep per slot: a constant N^T base keeps
+                # the 2016 loads as shared-memory immediates (a runtime slot index
+                # made nvcc keep 64-bit addresses live: 255 registers and spills)
+                if slot == 0:
+                    substitute(a_col, nt_shared, 0, col)
+                else:
+                    substitute(a_col, nt_shared, 1, col)
+                for i in T.unroll(C):
                     if i < rows:
-                        A[t0 + i, h, j] = T.cast(x_shared[i, j] - prod_frag[i, j], dtype)
+                        A[t0 + i, h, col] = T.cast(a_col[i], dtype)
 
     return chunk_prepare
