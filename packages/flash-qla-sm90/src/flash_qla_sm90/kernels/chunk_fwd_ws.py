@@ -29,6 +29,9 @@ from .tile_ops import LOG2E
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 
 ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
+#: Shared-memory slots: the state works on chunk c - 1 while the aux warpgroup prepares
+#: chunk c and chunk c + 1's tiles are in flight.
+SLOTS = 3
 #: Named barrier of the aux warpgroup (0 is __syncthreads'; TileLang's own use 3 and up).
 AUX_BARRIER = 1
 
@@ -43,6 +46,18 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     C = CHUNK
     Tt, Hk, Hv, N, N1, NTh = T.dynamic("Tt, Hk, Hv, N, N1, NTh")
     f32 = "float32"
+
+    @T.macro
+    def load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, t0, hk, h, c):
+        """cp.async the 64-row tiles of chunk ``c`` (first token ``t0``) into slot
+        c % SLOTS once the state warpgroups have released it (chunk c - SLOTS): four
+        commit groups, waited for with ``T.ptx_wait_group``."""
+        s = c % SLOTS
+        T.barrier_wait(empty[s], (c // SLOTS) % 2 ^ 1)
+        T.async_copy(q[t0:t0 + C, hk, :], q_s[s, :, :])
+        T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
+        T.async_copy(v[t0:t0 + C, h, :], v_s[s, :, :])
+        T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
 
     @T.prim_func
     def chunk_fwd_ws(
@@ -61,16 +76,15 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         h_out: T.Tensor((NTh, Hv, K, V), f32),
     ):
         with T.Kernel(N * Hv, threads=384) as bx:
-            # two slots of everything the aux warpgroup prepares for one chunk
-            q_s = T.alloc_shared((2, C, K), dtype)
-            k_s = T.alloc_shared((2, C, K), dtype)
-            v_s = T.alloc_shared((2, C, V), dtype)
-            ag_s = T.alloc_shared((2, C, C), dtype)
-            p_s = T.alloc_shared((2, C, C), dtype)
-            eg_s = T.alloc_shared((2, C), f32)                # exp(gam)
-            ed_s = T.alloc_shared((2, C), f32)                # exp(gam_C - gam)
+            # SLOTS slots of everything the aux warpgroup prepares for one chunk
+            q_s = T.alloc_shared((SLOTS, C, K), dtype)
+            k_s = T.alloc_shared((SLOTS, C, K), dtype)
+            v_s = T.alloc_shared((SLOTS, C, V), dtype)
+            ag_s = T.alloc_shared((SLOTS, C, C), dtype)       # A as loaded, then Ag in place
+            p_s = T.alloc_shared((SLOTS, C, C), dtype)
+            eg_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam)
+            ed_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam_C - gam)
             # aux-only
-            a_s = T.alloc_shared((C, C), dtype)
             gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
             beta_s = T.alloc_shared((C,), f32)
             qk = T.alloc_fragment((C, C), f32)
@@ -92,29 +106,32 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
 
             # slot s of chunk c: aux -> state "full" (128 arrivals), state -> aux "empty"
-            full = T.alloc_barrier([128, 128])
-            empty = T.alloc_barrier([256, 256])
+            full = T.alloc_barrier([128] * SLOTS)
+            empty = T.alloc_barrier([256] * SLOTS)
 
             # No setmaxnreg: every role fits the 168 registers of a 384-thread CTA (ptxas:
             # no spills), and a role lowered below what its code uses would fault or hang.
-            with T.ws(2):                                     # aux: chunk c into slot c % 2
+            with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
+                if chunks > 0:
+                    load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, bos, hk, h, 0)
                 for c in T.serial(chunks):
                     a0 = bos + c * C
                     a_rows = T.min(seq_len - c * C, C)
-                    sa = c % 2
-                    T.barrier_wait(empty[sa], (c // 2) % 2 ^ 1)   # slot read (chunk c - 2)
-                    # rows past the end are loaded as 0 (NaN-safe padding)
-                    for i, j in T.Parallel(C, K):
-                        q_s[sa, i, j] = T.if_then_else(
-                            i < a_rows, q[a0 + i, hk, j], T.cast(0, dtype))
-                        k_s[sa, i, j] = T.if_then_else(
-                            i < a_rows, k[a0 + i, hk, j], T.cast(0, dtype))
-                    for i, j in T.Parallel(C, V):
-                        v_s[sa, i, j] = T.if_then_else(
-                            i < a_rows, v[a0 + i, h, j], T.cast(0, dtype))
-                    for i, j in T.Parallel(C, C):
-                        a_s[i, j] = T.if_then_else(
-                            i < a_rows, A[a0 + i, h, j], T.cast(0, dtype))
+                    sa = c % SLOTS
+                    # chunk c + 1's copies fly while chunk c is prepared
+                    if c + 1 < chunks:
+                        load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, a0 + C, hk, h,
+                                   c + 1)
+                        T.ptx_wait_group(4)                   # chunk c's four groups done
+                    else:
+                        T.ptx_wait_group(0)
+                    # rows past the end (next sequence, padding: maybe NaN) zeroed
+                    if a_rows < C:
+                        for i, j in T.Parallel(C, K):
+                            if i >= a_rows:
+                                q_s[sa, i, j] = T.cast(0, dtype)
+                                k_s[sa, i, j] = T.cast(0, dtype)
+                                v_s[sa, i, j] = T.cast(0, dtype)
                     # gates: rows past the end repeat the last gam and get beta = 0
                     for i in T.Parallel(C):
                         gam = g_cumsum[T.min(a0 + i, last), h]
@@ -130,11 +147,12 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     for i, j in T.Parallel(C, C):
                         live = (i >= j) & (i < a_rows)
                         decay = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))
-                        ag_s[sa, i, j] = T.if_then_else(live, a_s[i, j] * decay * beta_s[j], 0.0)
+                        ag_s[sa, i, j] = T.if_then_else(live, ag_s[sa, i, j] * decay * beta_s[j],
+                                                        0.0)
                         p_s[sa, i, j] = T.if_then_else(live, qk[i, j] * decay, 0.0)
                     T.fence_proxy_async()            # generic stores -> WGMMA operand reads
                     T.barrier_arrive(full[sa])
-                    T.sync_threads(AUX_BARRIER, 128)      # a_s, gam_s, beta_s read by all
+                    T.sync_threads(AUX_BARRIER, 128)      # gam_s, beta_s read by all
 
             with T.ws(0, 1):                                  # state: chunk c from its slot
                 if has_initial_state:
@@ -145,13 +163,13 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                 for c in T.serial(chunks):
                     t0 = bos + c * C
                     rows = T.min(seq_len - c * C, C)
-                    ss = c % 2
+                    ss = c % SLOTS
                     if store_h:
                         for i, j in T.Parallel(V, K):
                             h_out[first_chunk + c, h, j, i] = st[i, j]
                     for i, j in T.Parallel(V, K):
                         st_b[i, j] = st[i, j]
-                    T.barrier_wait(full[ss], (c // 2) % 2)
+                    T.barrier_wait(full[ss], (c // SLOTS) % 2)
                     T.wgmma_gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # (K S0)^T
                     T.wgmma_gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
