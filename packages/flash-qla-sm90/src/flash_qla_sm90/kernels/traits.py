@@ -45,14 +45,17 @@ FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 
 #: ``chunk_fwd_t`` (transposed state in registers, one CTA per (sequence, head), v3 step
 #: 1): verified on the H200 2026-11-30 (test_transposed_kernel_matches_recurrence, 17
-#: passed). Per-chunk cost fitted there (``tune_chunk_fwd.py --tilings t,...``: 5.89-6.04
-#: us on 2/8, 8/32, 16/64 at 1x32768, 16/16 4x8192, 16/32 8x4096); ``forward`` uses it
-#: where the cost model prefers it to every ``chunk_fwd`` tiling (grids over one wave).
+#: passed; all gpu tests with it on: 76 passed). Per-chunk cost fitted there over three
+#: runs (``tune_chunk_fwd.py --tilings t,...``: 5.7-6.0 us on 2/8, 8/32, 16/64 at
+#: 1x32768, 16/16 4x8192, 16/32 8x4096); ``forward`` uses it where the cost model
+#: prefers it to every ``chunk_fwd`` tiling (grids over one wave of 64-column tiles).
 FWD_TRANSPOSED = True
-FWD_CHUNK_US_TRANSPOSED = 5.93
-#: The transposed forward as ``chunk_fwd_ws`` (v3 step 2: Q K^T, Ag, P, gates and loads
-#: on an auxiliary warpgroup one chunk ahead) instead of ``chunk_fwd_t``: compiled, not
-#: yet run on a GPU, so off.
+FWD_CHUNK_US_TRANSPOSED = 5.8
+#: The transposed forward as ``chunk_fwd_ws`` (v3 step 2: loads, gates, Q K^T, Ag, P on
+#: an aux warpgroup one chunk ahead) instead of ``chunk_fwd_t``. Its two-slot version
+#: passed its 17 GPU tests but ran 7.5 us per chunk, bound by the aux side (state side
+#: alone 3.8 us); the three-slot cp.async version in the tree is compiled, not yet run
+#: on a GPU (docs/perf-notes.md), so off.
 FWD_AUX_WARPGROUP = False
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
