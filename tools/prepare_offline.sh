@@ -28,7 +28,7 @@ CACHE=${TILELANG_BUNDLE_CACHE:-$HOME/.cache/offline-gpu/tilelang-cache}
 rm -rf .offline-gpu/tilelang-cache
 TILELANG_PRINT_ON_COMPILATION=0 \
   PYTHONPATH=packages/flash-qla-sm90/src:packages/flash-qla-core/src \
-  python3 -m flash_qla_sm90.kernels.kernel_cache "$CACHE"
+  python3 -m flash_qla_sm90.kernels.kernel_cache --experimental "$CACHE"
 tar cJf .offline-gpu/tilelang-cache.tar.xz -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
 bytes=$(( $(du -sb .offline-gpu | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))
 echo "tree + .offline-gpu: $((bytes / 1048576)) MiB (the device refuses > 64 MiB)"

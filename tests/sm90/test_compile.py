@@ -62,6 +62,23 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 2 * dh_tilings + 1)
 
 
+def test_experimental_variants_add_the_kernels_that_are_off():
+    """``variants(experimental=True)`` (the device bundle) holds both transposed-state
+    forwards in every variant, whatever ``traits`` enables."""
+    from flash_qla_sm90.kernels import traits
+    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
+    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
+    from flash_qla_sm90.kernels.kernel_cache import variants
+
+    def transposed(experimental):
+        return {(id(b), args) for b, args in variants(experimental)
+                if b is chunk_fwd_t_kernel or b is chunk_fwd_ws_kernel}
+
+    both = transposed(True)
+    assert len(both) == 2 * 4 * len(traits.DTYPES)          # kernel x has_h0 x store_h x dtype
+    assert transposed(False) <= both
+
+
 def test_transposed_forward_keeps_the_state_chain_in_registers():
     """chunk_fwd_t: the state GEMMs take register A operands (wgmma_rs), the chunk tiles
     come by TMA, and the producer hands its registers to the state warpgroups."""

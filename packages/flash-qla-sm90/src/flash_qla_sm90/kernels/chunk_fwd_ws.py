@@ -32,7 +32,7 @@ run. Off behind ``traits.FWD_AUX_WARPGROUP``.
 import tilelang
 import tilelang.language as T
 
-from .tile_ops import LOG2E
+from .tile_ops import LOG2E, fetch_gates
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 
 ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
@@ -94,6 +94,9 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
             beta_s = T.alloc_shared((C,), f32)
             qk = T.alloc_fragment((C, C), f32)
+            gam_next = T.alloc_fragment((C,), f32)            # gates of the next chunk
+            gam_last_next = T.alloc_fragment((C,), f32)
+            beta_next = T.alloc_fragment((C,), f32)
             # state-only (S^T [V, K] and the chunk's [V, C] tiles)
             st = T.alloc_fragment((V, K), f32)
             st_b = T.alloc_fragment((V, K), dtype)
@@ -120,6 +123,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
                 if chunks > 0:
                     load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, bos, hk, h, 0)
+                    fetch_gates(g_cumsum, beta, h, bos, last, gam_next, gam_last_next,
+                                beta_next)
                 for c in T.serial(chunks):
                     a0 = bos + c * C
                     a_rows = T.min(seq_len - c * C, C)
@@ -138,14 +143,15 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                                 q_s[sa, i, j] = T.cast(0, dtype)
                                 k_s[sa, i, j] = T.cast(0, dtype)
                                 v_s[sa, i, j] = T.cast(0, dtype)
-                    # gates: rows past the end repeat the last gam and get beta = 0
+                    # gates (fetched one chunk ahead; rows past the end repeat the last
+                    # gam and have beta = 0), then the next chunk's fetch
                     for i in T.Parallel(C):
-                        gam = g_cumsum[T.min(a0 + i, last), h]
-                        gam_last = g_cumsum[T.min(a0 + C - 1, last), h]
-                        gam_s[i] = gam * LOG2E
-                        beta_s[i] = T.if_then_else(i < a_rows, beta[a0 + i, h], 0.0)
-                        eg_s[sa, i] = T.exp2(gam * LOG2E)
-                        ed_s[sa, i] = T.exp2((gam_last - gam) * LOG2E)
+                        gam_s[i] = gam_next[i] * LOG2E
+                        beta_s[i] = beta_next[i]
+                        eg_s[sa, i] = T.exp2(gam_next[i] * LOG2E)
+                        ed_s[sa, i] = T.exp2((gam_last_next[i] - gam_next[i]) * LOG2E)
+                    fetch_gates(g_cumsum, beta, h, a0 + C, last, gam_next, gam_last_next,
+                                beta_next)
                     T.fence_proxy_async()
                     T.sync_threads(AUX_BARRIER, 128)
                     T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,

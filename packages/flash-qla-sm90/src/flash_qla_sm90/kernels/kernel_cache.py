@@ -35,14 +35,14 @@ def use_shipped_cache() -> None:
     os.environ["TILELANG_CACHE_DIR"] = str(target)
 
 
-def variants():
-    """Every (builder, args) the backend can launch; compiled ahead of time."""
+def variants(experimental: bool = False):
+    """Every (builder, args) the backend can launch; compiled ahead of time. With
+    ``experimental``, also the variants of kernels that are off in ``traits`` but have
+    GPU tests and tuning entries (so a device session does not compile them)."""
     from . import traits
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
-    from .chunk_fwd_t import chunk_fwd_t_kernel
-    from .chunk_fwd_ws import chunk_fwd_ws_kernel
     from .chunk_prepare import chunk_prepare_kernel
 
     tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
@@ -54,9 +54,8 @@ def variants():
                 for store_h in (False, True):
                     for tiling in tilings:
                         yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
-                    if traits.FWD_TRANSPOSED and (K, V) == (128, 128):
-                        yield (chunk_fwd_ws_kernel if traits.FWD_AUX_WARPGROUP
-                               else chunk_fwd_t_kernel), (dtype, K, V, has_h0, store_h)
+                    for transposed in _transposed_builders(K, V, experimental):
+                        yield transposed, (dtype, K, V, has_h0, store_h)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:
@@ -64,12 +63,28 @@ def variants():
             yield chunk_bwd_intra_kernel, (dtype, K, V)
 
 
-def compile_all(cache_dir: str) -> int:
+def _transposed_builders(K: int, V: int, experimental: bool) -> tuple:
+    """The transposed-state forwards to compile: the one ``traits`` enables, or (with
+    ``experimental``) both ``chunk_fwd_t`` and ``chunk_fwd_ws``; K = V = 128 only."""
+    from . import traits
+    from .chunk_fwd_t import chunk_fwd_t_kernel
+    from .chunk_fwd_ws import chunk_fwd_ws_kernel
+
+    if (K, V) != (128, 128):
+        return ()
+    if experimental:
+        return chunk_fwd_t_kernel, chunk_fwd_ws_kernel
+    if not traits.FWD_TRANSPOSED:
+        return ()
+    return (chunk_fwd_ws_kernel if traits.FWD_AUX_WARPGROUP else chunk_fwd_t_kernel,)
+
+
+def compile_all(cache_dir: str, experimental: bool = False) -> int:
     """Compile every variant into ``cache_dir``; returns how many."""
     os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(cache_dir)
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
     count = 0
-    for builder, args in variants():
+    for builder, args in variants(experimental):
         builder(*args)
         count += 1
     return count
@@ -78,8 +93,11 @@ def compile_all(cache_dir: str) -> int:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=compile_all.__doc__)
     parser.add_argument("cache_dir", help="TileLang cache directory to fill")
+    parser.add_argument("--experimental", action="store_true",
+                        help="also the kernels that are off in traits (device sessions)")
     args = parser.parse_args(argv)
-    print(f"compiled {compile_all(args.cache_dir)} kernels into {args.cache_dir}")
+    count = compile_all(args.cache_dir, args.experimental)
+    print(f"compiled {count} kernels into {args.cache_dir}")
 
 
 if __name__ == "__main__":
