@@ -56,9 +56,9 @@ NO_GPU_LINE = (
 PEERS = ("fla", "flashinfer", "flashqla")
 LABELS = {
     "ours": "FlashQLA (ours)",
-    "fla": "FLA 0.5.0",
+    "fla": "FLA",
     "flashinfer": "FlashInfer",
-    "flashqla": "FlashQLA 0.1.3",
+    "flashqla": "FlashQLA (peer)",
 }
 SHORT = {"ours": "ours", "fla": "FLA", "flashinfer": "FlashInfer", "flashqla": "FlashQLA-0.1.3"}
 

@@ -244,7 +244,8 @@ def install_hint(capability: tuple[int, int]) -> str:
         return (f"no FlashQLA kernel package serves compute capability "
                 f"{capability[0]}.{capability[1]} (served: {served}); set {ENV_VAR}=torch "
                 f"to run the slow PyTorch reference")
-    return f'pip install "flash-qla[{extra}]"'
+    return (f'pip install "flash-qla[{extra}]" (until published: pip install -e '
+            f'packages/flash-qla-{extra} from a clone)')
 
 
 def _fmt_caps(caps: tuple[tuple[int, int], ...]) -> str:

@@ -270,5 +270,6 @@ def report(*, verbose: bool = False, query: DeviceQuery | None = None) -> tuple[
         out.append("  no GPU here: nothing more (the torch backend runs on the CPU).")
         out.append("  On a GPU machine: SM90 (H100/H200/H20) pip install \"flash-qla[sm90]\"; "
                    "SM100/SM103 \"flash-qla[sm100]\" and SM120/SM121 \"flash-qla[sm120]\" "
-                   "(no kernels yet).")
+                   "(no kernels yet). Until published: pip install -e "
+                   "packages/flash-qla-sm90 (etc.) from a clone.")
     return "\n".join(out), status
