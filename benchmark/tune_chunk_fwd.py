@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 DEFAULT_TILINGS = "64x256,32x256,32x128"
-TRANSPOSED_SPECS = ("t", "ws")
+TRANSPOSED_SPECS = ("t", "ws")           # forward.TRANSPOSED_KERNELS (kept importless)
 DEFAULT_SHAPES = "16/64@1x32768,16/32@8x4096,16/16@4x8192,2/8@1x32768"
 
 
@@ -44,17 +44,14 @@ def parse_tiling(spec: str) -> tuple:
 
 def compile_tilings(tilings, dtype="bfloat16"):
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
+    from flash_qla_sm90.kernels.forward import TRANSPOSED_KERNELS
 
     chunk_prepare_kernel(dtype, 128)
     for t in tilings:
         for has_h0 in (False, True):
-            if t == ("ws",):
-                chunk_fwd_ws_kernel(dtype, 128, 128, has_h0, False)
-            elif t == ("t",):
-                chunk_fwd_t_kernel(dtype, 128, 128, has_h0, False)
+            if t[0] in TRANSPOSED_SPECS:
+                TRANSPOSED_KERNELS[t[0]](dtype, 128, 128, has_h0, False)
             else:
                 chunk_fwd_kernel(dtype, 128, 128, has_h0, False, *t)
             print("compiled", "x".join(map(str, t)), "h0" if has_h0 else "", flush=True)
@@ -65,9 +62,8 @@ def run_shape(shape, tilings, args):
     from common import make_inputs, rel_err
 
     import flash_qla
-    from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
-    from flash_qla_sm90.kernels.forward import TRANSPOSED, _fused, _packed, layout_for
+    from flash_qla_sm90.kernels.forward import _fused, _packed, layout_for, waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -94,22 +90,18 @@ def run_shape(shape, tilings, args):
     longest = int((lens.max() + 63) // 64)                 # chunks of the longest sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q_p, v_p = _packed(q), _packed(v)
-    shipped = traits.FWD_AUX_WARPGROUP
     for t in tilings:
-        def fused(t=t):
-            traits.FWD_AUX_WARPGROUP = t == ("ws",)
+        def fused(tiling=t[0] if t[0] in TRANSPOSED_SPECS else t):
             return _fused(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, scale=scale,
-                          initial_state=h0, num_chunks=None, alloc=torch.empty,
-                          tiling=TRANSPOSED if t[0] in TRANSPOSED_SPECS else t)
+                          initial_state=h0, num_chunks=None, alloc=torch.empty, tiling=tiling)
 
         o, final, _ = fused()
         err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
         ms = bench(fused)
         block_v = 128 if t[0] in TRANSPOSED_SPECS else t[0]
-        rounds = -(-len(lens) * Hv * (128 // block_v) // sms)   # waves of one CTA per SM
+        rounds = waves(len(lens), Hv, 128, sms, block_v)       # of one CTA per SM
         rows.append([shape.label, "x".join(map(str, t)), f"{err:.1e}", ms,
                      round(ms * 1e3 / (rounds * longest), 2)])
-    traits.FWD_AUX_WARPGROUP = shipped
     return rows
 
 

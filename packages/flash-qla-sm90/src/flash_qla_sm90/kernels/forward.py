@@ -17,8 +17,14 @@ from .traits import CHUNK
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-#: ``_fused(tiling=TRANSPOSED)`` runs ``chunk_fwd_t`` (tuning and tests).
-TRANSPOSED = "transposed"
+#: The transposed-state forwards by ``_fused(tiling=...)`` name (tuning): one CTA per
+#: (sequence, value head); ``transposed_kernel`` says which one the default path runs.
+TRANSPOSED_KERNELS = {"t": chunk_fwd_t_kernel, "ws": chunk_fwd_ws_kernel}
+
+
+def transposed_kernel() -> str:
+    """Name in ``TRANSPOSED_KERNELS`` of the transposed forward ``traits`` selects."""
+    return "ws" if traits.FWD_AUX_WARPGROUP else "t"
 
 
 def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
@@ -92,10 +98,14 @@ def _tiling_options(V: int, narrow: bool | None, wide: bool | None) -> dict:
     return options
 
 
+def waves(num_seqs: int, Hv: int, V: int, sm_count: int, block_v: int) -> int:
+    """Rounds of one CTA per SM for a grid of ``num_seqs * Hv * V / block_v`` CTAs."""
+    return -(-num_seqs * Hv * (V // block_v) // sm_count)
+
+
 def _tiling_cost(num_seqs: int, Hv: int, V: int, sm_count: int, block_v: int) -> float:
     """Predicted us per chunk of the whole grid: ceil(CTAs / SMs) x us per CTA-chunk."""
-    rounds = -(-num_seqs * Hv * (V // block_v) // sm_count)
-    return rounds * traits.FWD_CHUNK_US[block_v]
+    return waves(num_seqs, Hv, V, sm_count, block_v) * traits.FWD_CHUNK_US[block_v]
 
 
 def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
@@ -104,7 +114,7 @@ def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> boo
     enabled ``chunk_fwd`` tiling's (same model as :func:`fused_tiling`)."""
     if not traits.FWD_TRANSPOSED or (K, V) != (128, 128):
         return False
-    mine = -(-num_seqs * Hv // sm_count) * traits.FWD_CHUNK_US_TRANSPOSED
+    mine = waves(num_seqs, Hv, V, sm_count, V) * traits.FWD_CHUNK_US_TRANSPOSED
     return mine < min(_tiling_cost(num_seqs, Hv, V, sm_count, bv)
                       for bv in _tiling_options(V, None, None))
 
@@ -116,7 +126,7 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
     ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` overriding
-    :func:`fused_tiling`'s choice, or ``TRANSPOSED`` for ``chunk_fwd_t`` (tuning).
+    :func:`fused_tiling`'s choice, or a name in ``TRANSPOSED_KERNELS`` (tuning).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -127,10 +137,10 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
-    if tiling == TRANSPOSED or (
-            tiling is None and use_transposed(layout.num_seqs, Hv, K, V, _sm_count(q.device))):
-        build = chunk_fwd_ws_kernel if traits.FWD_AUX_WARPGROUP else chunk_fwd_t_kernel
-        kernel = build(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
+    if tiling is None and use_transposed(layout.num_seqs, Hv, K, V, _sm_count(q.device)):
+        tiling = transposed_kernel()
+    if tiling in TRANSPOSED_KERNELS:
+        kernel = TRANSPOSED_KERNELS[tiling](_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
     else:
         if tiling is None:
             tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device))

@@ -67,16 +67,15 @@ def _transposed_builders(K: int, V: int, experimental: bool) -> tuple:
     """The transposed-state forwards to compile: the one ``traits`` enables, or (with
     ``experimental``) both ``chunk_fwd_t`` and ``chunk_fwd_ws``; K = V = 128 only."""
     from . import traits
-    from .chunk_fwd_t import chunk_fwd_t_kernel
-    from .chunk_fwd_ws import chunk_fwd_ws_kernel
+    from .forward import TRANSPOSED_KERNELS, transposed_kernel
 
     if (K, V) != (128, 128):
         return ()
     if experimental:
-        return chunk_fwd_t_kernel, chunk_fwd_ws_kernel
+        return tuple(TRANSPOSED_KERNELS.values())
     if not traits.FWD_TRANSPOSED:
         return ()
-    return (chunk_fwd_ws_kernel if traits.FWD_AUX_WARPGROUP else chunk_fwd_t_kernel,)
+    return (TRANSPOSED_KERNELS[transposed_kernel()],)
 
 
 def compile_all(cache_dir: str, experimental: bool = False) -> int:
