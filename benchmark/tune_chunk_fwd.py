@@ -170,7 +170,7 @@ def tune(tilings, args) -> int:
 def fit_chunk_us(rows) -> dict:
     """``traits.FWD_CHUNK_US`` from the table: per BLOCK_V, the median "us/chunk" over the
     uniform-length shapes (varlen rows, whose waves are uneven, are left out); the
-    transposed kernel's (``traits.FWD_CHUNK_US_TRANSPOSED``) under the key "t".
+    transposed kernels' (``traits.FWD_CHUNK_US_TRANSPOSED``) under their names ("t", "ws").
 
     >>> fit_chunk_us([["2/8 1x32768", "32x256", "", 2.37, 4.63],
     ...               ["8/32 1x32768", "32x256", "", 2.29, 4.48],

@@ -211,7 +211,7 @@ def test_transposed_kernel_matches_recurrence(case, aux, monkeypatch):
 
     monkeypatch.setattr(traits, "FWD_TRANSPOSED", True)
     monkeypatch.setattr(traits, "FWD_AUX_WARPGROUP", aux)
-    monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", 0.0)
+    monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", {"t": 0.0, "ws": 0.0})
     inp = make_inputs(case, seed=9)
     N = len(case.lens) if case.lens else case.B
     assert forward.use_transposed(N, case.Hv, 128, 128, forward._sm_count(inp["q"].device))

@@ -83,7 +83,7 @@ def test_transposed_kernel_only_when_on_and_cheaper(monkeypatch):
     monkeypatch.setattr(traits, "FWD_TRANSPOSED", False)
     assert not forward.use_transposed(8, 32, 128, 128, 132)
     monkeypatch.setattr(traits, "FWD_TRANSPOSED", True)
-    monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", 5.5)
+    monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", {"t": 5.5, "ws": 5.5})
     # 256 (sequence, head) pairs: 2 rounds x 5.5 us beat the wide tile's 2 x 10.0
     assert forward.use_transposed(8, 32, 128, 128, 132)
     # 8 pairs: one round either way, and the narrow tile's 4.55 us is cheaper

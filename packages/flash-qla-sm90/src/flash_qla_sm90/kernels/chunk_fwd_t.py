@@ -18,10 +18,9 @@ padding never meets a GEMM), P and Ag are masked, and only valid rows are stored
 
 Status: verified on an H200 (tests/sm90/test_forward_gpu.py::
 test_transposed_kernel_matches_recurrence, and every forward test with it on by
-default); 5.8 us per chunk for the whole state. ``forward`` uses it where
-``traits.FWD_CHUNK_US_TRANSPOSED`` beats every ``chunk_fwd`` tiling (grids over one wave
-of 64-column tiles). Its successor with the state-independent work on an aux warpgroup
-is ``chunk_fwd_ws``.
+default); 5.8 us per chunk for the whole state. Its successor with the state-independent
+work on an aux warpgroup, ``chunk_fwd_ws``, is the default; this kernel runs with
+``traits.FWD_AUX_WARPGROUP`` off.
 """
 
 import tilelang

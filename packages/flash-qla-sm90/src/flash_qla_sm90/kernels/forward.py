@@ -109,12 +109,13 @@ def _tiling_cost(num_seqs: int, Hv: int, V: int, sm_count: int, block_v: int) ->
 
 
 def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
-    """Whether ``chunk_fwd_t`` (transposed state, one CTA per (sequence, head)) serves
-    the call: ``traits.FWD_TRANSPOSED`` on, K = V = 128, and its predicted cost below every
-    enabled ``chunk_fwd`` tiling's (same model as :func:`fused_tiling`)."""
+    """Whether the transposed forward (:func:`transposed_kernel`; one CTA per (sequence,
+    head)) serves the call: ``traits.FWD_TRANSPOSED`` on, K = V = 128, and its predicted
+    cost below every enabled ``chunk_fwd`` tiling's (same model as :func:`fused_tiling`)."""
     if not traits.FWD_TRANSPOSED or (K, V) != (128, 128):
         return False
-    mine = waves(num_seqs, Hv, V, sm_count, V) * traits.FWD_CHUNK_US_TRANSPOSED
+    us = traits.FWD_CHUNK_US_TRANSPOSED[transposed_kernel()]
+    mine = waves(num_seqs, Hv, V, sm_count, V) * us
     return mine < min(_tiling_cost(num_seqs, Hv, V, sm_count, bv)
                       for bv in _tiling_options(V, None, None))
 

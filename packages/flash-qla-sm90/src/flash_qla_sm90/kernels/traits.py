@@ -43,20 +43,18 @@ FWD_WIDE = (BLOCK_V_WIDE, FWD_THREADS)
 #: costs ceil(n / SMs) * chunks * this.
 FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 
-#: ``chunk_fwd_t`` (transposed state in registers, one CTA per (sequence, head), v3 step
-#: 1): verified on the H200 2026-11-30 (test_transposed_kernel_matches_recurrence, 17
-#: passed; all gpu tests with it on: 76 passed). Per-chunk cost fitted there over three
-#: runs (``tune_chunk_fwd.py --tilings t,...``: 5.7-6.0 us on 2/8, 8/32, 16/64 at
-#: 1x32768, 16/16 4x8192, 16/32 8x4096); ``forward`` uses it where the cost model
-#: prefers it to every ``chunk_fwd`` tiling (grids over one wave of 64-column tiles).
+#: The transposed-state forwards (one CTA per (sequence, value head), whole 128 x 128
+#: state in registers), used where the cost model prefers them to every ``chunk_fwd``
+#: tiling. Per-chunk cost by kernel name (``forward.TRANSPOSED_KERNELS``), fitted on the
+#: H200 with ``tune_chunk_fwd.py --tilings t,ws,...``: ``chunk_fwd_t`` 5.7-6.0 us (three
+#: runs, 2026-11-30); ``chunk_fwd_ws`` (loads, gates, Q K^T, Ag, P on an aux warpgroup)
+#: 4.82-5.01 us on 16/32 8x4096, 2/8 and 16/64 at 1x32768 (2026-11-30, fourth session).
 FWD_TRANSPOSED = True
-FWD_CHUNK_US_TRANSPOSED = 5.8
-#: The transposed forward as ``chunk_fwd_ws`` (v3 step 2: loads, gates, Q K^T, Ag, P on
-#: an aux warpgroup one chunk ahead) instead of ``chunk_fwd_t``. Its two-slot version
-#: passed its 17 GPU tests but ran 7.5 us per chunk, bound by the aux side (state side
-#: alone 3.8 us); the three-slot cp.async version in the tree is compiled, not yet run
-#: on a GPU (docs/perf-notes.md), so off.
-FWD_AUX_WARPGROUP = False
+FWD_CHUNK_US_TRANSPOSED = {"t": 5.8, "ws": 4.9}
+#: Which transposed forward runs: ``chunk_fwd_ws`` (True; verified on the H200,
+#: 2026-11-30: its 17 tests and every forward test with it on by default) or
+#: ``chunk_fwd_t`` (False; verified earlier, kept as the simpler reference kernel).
+FWD_AUX_WARPGROUP = True
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
