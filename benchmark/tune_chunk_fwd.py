@@ -1,7 +1,8 @@
-"""Tune the Hopper forward kernels: time ``chunk_prepare`` and each ``chunk_fwd`` tiling.
+"""Tune the Hopper forward kernels: time each prepare kernel and each ``chunk_fwd`` tiling.
 
-For every shape (``HK/HV@LAYOUT``, as in ``bench_gated_delta_rule.py``) the script runs the
-prepare kernel once, then every fused-kernel tiling ``BLOCK_VxTHREADS[xSTAGES]`` on the
+For every shape (``HK/HV@LAYOUT``, as in ``bench_gated_delta_rule.py``) the script runs
+every prepare kernel (its err column: A against the A of the prepare ``traits`` selects),
+then every fused-kernel tiling ``BLOCK_VxTHREADS[xSTAGES]`` on the
 same inputs. Each tiling's o and final state are checked against the torch backend (fp32
 chunked reference) before its time is reported: a wrong kernel shows as a large error
 next to its time. Times are CUDA-event medians (``triton.testing.do_bench``).
@@ -44,10 +45,11 @@ def parse_tiling(spec: str) -> tuple:
 
 def compile_tilings(tilings, dtype="bfloat16"):
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
-    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
+    from flash_qla_sm90.kernels.chunk_prepare import PREPARE_KERNELS
     from flash_qla_sm90.kernels.forward import TRANSPOSED_KERNELS
 
-    chunk_prepare_kernel(dtype, 128)
+    for prepare in PREPARE_KERNELS.values():
+        prepare(dtype, 128)
     for t in tilings:
         for has_h0 in (False, True):
             if t[0] in TRANSPOSED_SPECS:
@@ -62,8 +64,8 @@ def run_shape(shape, tilings, args):
     from common import make_inputs, rel_err
 
     import flash_qla
-    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
-    from flash_qla_sm90.kernels.forward import _fused, _packed, layout_for, waves
+    from flash_qla_sm90.kernels.chunk_prepare import PREPARE_KERNELS
+    from flash_qla_sm90.kernels.forward import _fused, _packed, layout_for, prepare_kernel, waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -78,14 +80,19 @@ def run_shape(shape, tilings, args):
 
     k_p, beta_p, g_p = _packed(k), _packed(beta, torch.float32), _packed(g, torch.float32)
     g_cumsum = torch.zeros(Tt, Hv, dtype=torch.float32, device="cuda")
-    A = torch.zeros(Tt, Hv, 64, dtype=q.dtype, device="cuda")
-    prep = chunk_prepare_kernel("bfloat16", 128)
+    rows, outputs = [], {}
+    for name, builder in PREPARE_KERNELS.items():       # every prepare kernel, timed
+        A = torch.zeros(Tt, Hv, 64, dtype=q.dtype, device="cuda")
 
-    def prepare():
-        prep(k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
+        def prepare(prep=builder("bfloat16", 128), A=A):
+            prep(k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
 
-    prepare()
-    rows = [[shape.label, "prepare", "", bench(prepare), ""]]
+        prepare()
+        outputs[builder] = A
+        rows.append([shape.label, name, "", bench(prepare), ""])
+    A = outputs[prepare_kernel()]                        # the one the forward runs
+    for row, A_other in zip(rows, outputs.values()):     # err: A vs the forward's A
+        row[2] = f"{rel_err(A_other, A):.1e}"
     lens = inp["cu_seqlens_cpu"].diff()
     longest = int((lens.max() + 63) // 64)                 # chunks of the longest sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -183,7 +190,7 @@ def fit_chunk_us(rows) -> dict:
 
     per_bv: dict = {}
     for label, kernel, _, _, us in rows:
-        if kernel == "prepare" or "varlen" in label or "seqs=" in label:
+        if kernel.startswith("prepare") or "varlen" in label or "seqs=" in label:
             continue
         per_bv.setdefault(parse_tiling(kernel)[0], []).append(us)
     order = sorted(per_bv, key=lambda bv: (isinstance(bv, str), bv))     # BLOCK_Vs, then "t"

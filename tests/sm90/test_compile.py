@@ -38,6 +38,19 @@ def test_prepare_kernel_compiles_to_wgmma(dtype):
     assert "wgmma" in src
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_blocked_prepare_runs_its_products_on_fp16_wgmma(dtype):
+    """chunk_prepare_blocked: K K^T in the input dtype, then the four products of the
+    blocked inverse with fp16 operands, all on WGMMA (no mma.sync fallback)."""
+    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_blocked_kernel
+
+    src = _source(chunk_prepare_blocked_kernel, dtype, 128)
+    kinds = {"bfloat16": "kBFloat16", "float16": "kFloat16"}
+    assert src.count(f"tl::wgmma_ss<tl::DataType::{kinds[dtype]}") >= 1       # K K^T
+    assert src.count("tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16") >= 4
+    assert "mma_sync" not in src
+
+
 @pytest.mark.parametrize("dtype, has_h0, store_h", [("bfloat16", True, True),
                                                     ("float16", False, False)],
                          ids=["bf16-h0-h", "fp16"])
@@ -64,10 +77,11 @@ def test_every_variant_is_listed_for_the_shipped_cache():
 
 def test_experimental_variants_add_the_kernels_that_are_off():
     """``variants(experimental=True)`` (the device bundle) holds both transposed-state
-    forwards in every variant, whatever ``traits`` enables."""
+    forwards in every variant and both prepare kernels, whatever ``traits`` enables."""
     from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
     from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
+    from flash_qla_sm90.kernels.chunk_prepare import PREPARE_KERNELS
     from flash_qla_sm90.kernels.kernel_cache import variants
 
     def transposed(experimental):
@@ -77,6 +91,8 @@ def test_experimental_variants_add_the_kernels_that_are_off():
     both = transposed(True)
     assert len(both) == 2 * 4 * len(traits.DTYPES)          # kernel x has_h0 x store_h x dtype
     assert transposed(False) <= both
+    builders = [b for b, _ in variants(True)]
+    assert all(b in builders for b in PREPARE_KERNELS.values())      # both prepare kernels
 
 
 def test_transposed_forward_keeps_the_state_chain_in_registers():
@@ -141,7 +157,7 @@ def _global_accesses(src: str):
     return found
 
 
-@pytest.mark.parametrize("kernel", ["prepare", "fwd", "fwd_t", "fwd_ws", "bwd_dh", "bwd_intra"])
+@pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws", "bwd_dh", "bwd_intra"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
@@ -150,10 +166,12 @@ def test_global_indexing_is_64_bit(kernel):
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
     from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
-    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
+    from flash_qla_sm90.kernels.chunk_prepare import (chunk_prepare_blocked_kernel,
+                                                      chunk_prepare_kernel)
 
     builder, args = {
         "prepare": (chunk_prepare_kernel, ("bfloat16", 128)),
+        "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
         "fwd": (chunk_fwd_kernel, ("bfloat16", 128, 128, True, True)),
         "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, True)),
         "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, True)),

@@ -218,6 +218,30 @@ def test_transposed_kernel_matches_recurrence(case, aux, monkeypatch):
     _check_with_states(case, inp)
 
 
+@pytest.mark.parametrize("case", CASES + POISON_CASES[:2], ids=lambda c: c.id)
+def test_blocked_prepare_matches_recurrence(case, monkeypatch):
+    """The prepare kernel with the blocked fp16-WGMMA inverse (chunk_prepare_blocked):
+    the whole forward against the fp64 recurrence (o, final state, h), its A against the
+    substitution kernel's, padding rows zero and NaN padding never entering."""
+    from flash_qla_sm90.kernels import traits
+
+    inp = make_inputs(case, seed=13)
+    monkeypatch.setattr(traits, "PREPARE_BLOCKED", False)
+    _, a_sub, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp)
+    monkeypatch.setattr(traits, "PREPARE_BLOCKED", True)
+    _, a_blk, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp)
+    assert torch.isfinite(a_blk).all()
+    assert rel_l2(a_blk, a_sub) < 4e-3
+    _check_with_states(case, inp)
+    if case.pad:                                  # NaN in k, g, beta past cu_seqlens[-1]
+        pad = slice(case.T - case.pad, case.T)
+        for name in ("k", "g", "beta"):
+            inp[name] = inp[name].clone()
+            inp[name][:, pad] = float("nan")
+        _, a_dirty, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp)
+        assert torch.equal(a_dirty[:, :pad.start], a_blk[:, :pad.start])
+
+
 def test_high_level_options():
     """v-first state, qk L2-norm and in-kernel gate around the kernels vs the torch backend."""
     inp = make_inputs(CASES[12], seed=7)

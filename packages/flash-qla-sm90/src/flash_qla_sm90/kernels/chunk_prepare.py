@@ -145,3 +145,124 @@ def chunk_prepare_kernel(dtype: str, K: int):
                         A[t0 + i, h, col] = T.cast(a_col[i], dtype)
 
     return chunk_prepare
+
+
+#: Side of the diagonal blocks that ``chunk_prepare_blocked_kernel`` inverts by
+#: substitution.
+BLOCK = 16
+
+
+@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
+def chunk_prepare_blocked_kernel(dtype: str, K: int):
+    """The prepare kernel with a blocked inverse on the tensor cores (same arguments and
+    outputs as :func:`chunk_prepare_kernel`; one CTA of 128 threads per (chunk, value
+    head)). With N = N_d + N_o (N_d: the four 16 x 16 diagonal blocks, N_o: the blocks
+    below them) and block lower-triangular algebra:
+
+        D = (I + N_d)^-1             four 16 x 16 substitutions in fp32 (CUDA cores)
+        M = D N_o                    strictly block-lower, so M^4 = 0 and
+        A = (I + M)^-1 D = (I - M)(I + M^2) D = X - M X,   X = (I + M^2) D
+
+    The four 64 x 64 x 64 products run on WGMMA with fp16 operands and fp32
+    accumulation (X - M X is formed from X's fp32 accumulator). fp16 keeps 11 mantissa
+    bits: on L2-normalised keys the error of A is at or below the bf16 rounding of the
+    stored A (tests/sm90/test_prepare_algorithm.py emulates every rounding). Operands stay
+    in fp16 range while |beta k_i . k_j| is O(1), as with normalised keys; the delta rule
+    itself diverges well before that bound is left. Small shared tiles (fp16 operands,
+    only the diagonal blocks of N in fp32) keep several CTAs per SM, so one CTA's chain of
+    phases overlaps the others'.
+    """
+    C, B = CHUNK, BLOCK
+    Tt, Hk, Hv, N1, NTmax = T.dynamic("Tt, Hk, Hv, N1, NTmax")
+    f32, f16 = "float32", "float16"
+
+    @T.prim_func
+    def chunk_prepare_blocked(
+        k: T.Tensor((Tt, Hk, K), dtype),
+        g: T.Tensor((Tt, Hv), f32),
+        beta: T.Tensor((Tt, Hv), f32),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_idx: T.Tensor((NTmax, 2), "int32"),
+        g_cumsum: T.Tensor((Tt, Hv), f32),
+        A: T.Tensor((Tt, Hv, C), dtype),
+    ):
+        with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
+            k_shared = T.alloc_shared((C, K), dtype)
+            kkt_frag = T.alloc_fragment((C, C), f32)
+            nd_shared = T.alloc_shared((C, B), f32)      # row i: N[i, blk(i) .. blk(i)+B)
+            no_shared = T.alloc_shared((C, C), f16)      # N_o
+            d_shared = T.alloc_shared((C, C), f16)       # D (block diagonal)
+            m_shared = T.alloc_shared((C, C), f16)       # M = D N_o
+            m2_shared = T.alloc_shared((C, C), f16)      # I + M^2
+            x_shared = T.alloc_shared((C, C), f16)       # X, as the last product's operand
+            prod_frag = T.alloc_fragment((C, C), f32)    # M, M^2, then M X
+            x_frag = T.alloc_fragment((C, C), f32)       # X in fp32
+            beta_shared = T.alloc_shared((C,), f32)
+            g_shared = T.alloc_shared((C,), f32)
+            d_col = T.alloc_local((B,), f32)             # one column of a D block
+            acc = T.alloc_local((1,), f32)
+
+            # Scalars in registers (T.alloc_var): let-bindings would be re-read from
+            # global memory at every use.
+            c = T.alloc_var("int32", init=bid // Hv)
+            h = T.alloc_var("int32", init=bid % Hv)
+            hk = T.alloc_var("int32", init=h // (Hv // Hk))  # GVA: value head -> q/k head
+            seq = T.alloc_var("int32", init=chunk_idx[c, 0])
+            t0 = T.alloc_var("int32", init=T.if_then_else(
+                seq >= 0, cu_seqlens[T.max(seq, 0)] + chunk_idx[c, 1] * C, 0))
+            rows = T.alloc_var("int32", init=T.if_then_else(
+                seq >= 0, T.min(cu_seqlens[T.max(seq, 0) + 1] - t0, C), 0))     # 0..C
+            if seq >= 0:
+                for i in T.Parallel(C):
+                    beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
+                    g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
+                T.copy(k[t0:t0 + C, hk, :], k_shared)
+                T.clear(d_shared)
+                T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
+                # N by blocks; rows past the end are selected to 0 (NaN-safe)
+                for i, j in T.Parallel(C, C):
+                    if i // B == j // B:
+                        nd_shared[i, j % B] = T.if_then_else(
+                            (i > j) & (i < rows), beta_shared[i] * kkt_frag[i, j], 0.0)
+                    no_shared[i, j] = T.cast(T.if_then_else(
+                        (i // B > j // B) & (i < rows), beta_shared[i] * kkt_frag[i, j],
+                        0.0), f16)
+
+                tx = T.get_thread_binding()
+                if tx < C:
+                    # chunk-local cumsum of the gate, row tx
+                    acc[0] = 0.0
+                    for m in T.unroll(C):
+                        acc[0] += T.if_then_else(m <= tx, g_shared[m], 0.0)
+                    if tx < rows:
+                        g_cumsum[t0 + tx, h] = acc[0]
+                    # column tx % B of diagonal block tx // B of D, right-looking
+                    # substitution: d[r] -= N[r, m] d[m] once d[m] is final
+                    blk = tx // B * B
+                    for i in T.unroll(B):
+                        d_col[i] = T.if_then_else(i == tx % B, 1.0, 0.0)
+                    for m in T.unroll(B - 1):
+                        for r in T.unroll(B - 1 - m):
+                            d_col[m + 1 + r] -= nd_shared[blk + m + 1 + r, m] * d_col[m]
+                    for i in T.unroll(B):
+                        d_shared[blk + i, tx] = T.cast(d_col[i], f16)
+
+                T.gemm(d_shared, no_shared, prod_frag, clear_accum=True)          # M = D N_o
+                T.copy(prod_frag, m_shared)
+                T.gemm(m_shared, m_shared, prod_frag, clear_accum=True)           # M^2
+                for i, j in T.Parallel(C, C):
+                    m2_shared[i, j] = T.cast(
+                        T.if_then_else(i == j, 1.0, 0.0) + prod_frag[i, j], f16)
+                T.gemm(m2_shared, d_shared, x_frag, clear_accum=True)             # X
+                T.copy(x_frag, x_shared)
+                T.gemm(m_shared, x_shared, prod_frag, clear_accum=True)           # M X
+                for i, j in T.Parallel(C, C):
+                    if i < rows:
+                        A[t0 + i, h, j] = T.cast(x_frag[i, j] - prod_frag[i, j], dtype)
+
+    return chunk_prepare_blocked
+
+
+#: The prepare kernels by name (tuning: ``benchmark/tune_chunk_fwd.py`` times each);
+#: ``forward.prepare_kernel`` picks the one ``traits.PREPARE_BLOCKED`` selects.
+PREPARE_KERNELS = {"prepare": chunk_prepare_kernel, "prepare-blocked": chunk_prepare_blocked_kernel}

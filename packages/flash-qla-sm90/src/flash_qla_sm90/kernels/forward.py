@@ -12,7 +12,7 @@ from .chunk_fwd import chunk_fwd_kernel
 from .chunk_fwd_t import chunk_fwd_t_kernel
 from .chunk_fwd_ws import chunk_fwd_ws_kernel
 from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
-from .chunk_prepare import chunk_prepare_kernel
+from .chunk_prepare import chunk_prepare_blocked_kernel, chunk_prepare_kernel
 from .traits import CHUNK
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -25,6 +25,11 @@ TRANSPOSED_KERNELS = {"t": chunk_fwd_t_kernel, "ws": chunk_fwd_ws_kernel}
 def transposed_kernel() -> str:
     """Name in ``TRANSPOSED_KERNELS`` of the transposed forward ``traits`` selects."""
     return "ws" if traits.FWD_AUX_WARPGROUP else "t"
+
+
+def prepare_kernel():
+    """Builder of the prepare kernel ``traits.PREPARE_BLOCKED`` selects (same arguments)."""
+    return chunk_prepare_blocked_kernel if traits.PREPARE_BLOCKED else chunk_prepare_kernel
 
 
 def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
@@ -163,7 +168,7 @@ def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_
     k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
     g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     A = alloc(Tt, Hv, CHUNK, dtype=q.dtype, device=q.device)
-    chunk_prepare_kernel(_DTYPE_NAMES[q.dtype], K)(
+    prepare_kernel()(_DTYPE_NAMES[q.dtype], K)(
         k_p, _packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
         g_cumsum, A)
     o, final_state, h = _fused(

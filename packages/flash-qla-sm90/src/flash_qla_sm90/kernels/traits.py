@@ -56,6 +56,13 @@ FWD_CHUNK_US_TRANSPOSED = {"t": 5.8, "ws": 4.9}
 #: ``chunk_fwd_t`` (False; verified earlier, kept as the simpler reference kernel).
 FWD_AUX_WARPGROUP = True
 
+#: The prepare kernel's inverse: ``chunk_prepare_blocked_kernel`` (True: 16 x 16 diagonal
+#: substitutions + four fp16 WGMMA products, small shared tiles, ~5 CTAs per SM) or
+#: ``chunk_prepare_kernel`` (False: one fp32 substitution per column, verified; 0.43 ms
+#: at 16/32 8x4096 on the H200, bound by instruction fetch of its unrolled sweep).
+#: Compiled and CPU-emulated, not yet run on a GPU: off.
+PREPARE_BLOCKED = False
+
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
 
