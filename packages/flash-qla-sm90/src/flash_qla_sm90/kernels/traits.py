@@ -61,7 +61,7 @@ FWD_AUX_WARPGROUP = True
 #: ``chunk_prepare_kernel`` (False: one fp32 substitution per column, verified; 0.43 ms
 #: at 16/32 8x4096 on the H200, bound by instruction fetch of its unrolled sweep).
 #: Compiled and CPU-emulated, not yet run on a GPU: off.
-PREPARE_BLOCKED = False
+PREPARE_BLOCKED = True
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
