@@ -116,8 +116,6 @@ def test_aux_warpgroup_forward_never_serialises_its_roles():
     assert src.count("__syncthreads()") == 1
     assert src.count("].arrive()") == 2                 # full (aux), empty (state) slots
     assert "cp_async" in src                            # the aux's tiles load asynchronously
-    # register budgets within the launch allocation (384 x 168 = 256 x 208 + 128 x 88)
-    assert "warpgroup_reg_alloc<208>" in src and "warpgroup_reg_dealloc<88>" in src
 
 
 def _ptxas_report(src: str, tmp_path) -> str:
@@ -136,21 +134,21 @@ def _ptxas_report(src: str, tmp_path) -> str:
     return out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "prepare_blocked", "bwd_dh", "bwd_intra"])
+@pytest.mark.parametrize("kernel", ["fwd_t", "prepare_blocked", "bwd_dh", "bwd_intra"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
-    ("wgmma.mma_async instructions are serialized"), which made every 16-deep step wait
-    for the previous one (chunk_fwd_ws before its setmaxnreg budgets: -30% of the state
-    warpgroups' time at the WGMMA waits, Nsight Compute on the H200)."""
+    ("wgmma.mma_async instructions are serialized"), which makes every 16-deep step wait
+    for the previous one. chunk_fwd_ws has it (168 registers for 384 threads; Nsight
+    Compute on the H200: 30% of its state warpgroups' samples at those waits), but
+    lifting it with setmaxnreg 208 / 88 measured 2.4% slower, the aux side being the
+    bound (docs/perf-notes.md, v4), so it is not listed here."""
     from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_blocked_kernel
 
     builder, args = {
         "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, False)),
-        "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, False, False)),
         "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
