@@ -1,8 +1,8 @@
 """Tune the Hopper forward kernels: time each prepare kernel and each ``chunk_fwd`` tiling.
 
 For every shape (``HK/HV@LAYOUT``, as in ``bench_gated_delta_rule.py``) the script runs
-every prepare kernel (its err column: A against the A of the prepare ``traits`` selects),
-then every fused-kernel tiling ``BLOCK_VxTHREADS[xSTAGES]`` on the
+every prepare kernel (its "err" column: A against the A of the prepare ``traits``
+selects), then every fused-kernel tiling ``BLOCK_VxTHREADS[xSTAGES]`` on the
 same inputs. Each tiling's o and final state are checked against the torch backend (fp32
 chunked reference) before its time is reported: a wrong kernel shows as a large error
 next to its time. Times are CUDA-event medians (``triton.testing.do_bench``).
@@ -10,11 +10,11 @@ next to its time. Times are CUDA-event medians (``triton.testing.do_bench``).
     python benchmark/tune_chunk_fwd.py --tilings 64x256,32x256 --shapes '16/64@1x32768'
     python benchmark/tune_chunk_fwd.py --compile-only --cache-dir .offline-gpu/tilelang-cache
 
-``--compile-only`` builds every tiling for sm_90a without a GPU (TileLang's cache), so the
-device's minutes go to running. Prints one table: ms and error per shape x tiling, and
-"us/chunk" = ms / (waves of one CTA per SM x chunks of the longest sequence), the
-per-chunk cost that ``traits.FWD_CHUNK_US`` (the tiling choice's cost model) holds; the
-last line fits it (median per BLOCK_V over the uniform-length shapes).
+``--compile-only`` builds every prepare kernel and tiling for sm_90a without a GPU
+(TileLang's cache), so the device's minutes go to running. Prints one table: ms and error
+per shape x tiling, and "us/chunk" = ms / (waves of one CTA per SM x chunks of the longest
+sequence), the per-chunk cost that ``traits.FWD_CHUNK_US`` (the tiling choice's cost
+model) holds; the last line fits it (median per BLOCK_V over the uniform-length shapes).
 """
 
 from __future__ import annotations
@@ -65,7 +65,13 @@ def run_shape(shape, tilings, args):
 
     import flash_qla
     from flash_qla_sm90.kernels.chunk_prepare import PREPARE_KERNELS
-    from flash_qla_sm90.kernels.forward import _fused, _packed, layout_for, prepare_kernel, waves
+    from flash_qla_sm90.kernels.forward import (
+        _fused,
+        _packed,
+        layout_for,
+        prepare_kernel_name,
+        waves,
+    )
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -83,14 +89,15 @@ def run_shape(shape, tilings, args):
     rows, outputs = [], {}
     for name, builder in PREPARE_KERNELS.items():       # every prepare kernel, timed
         A = torch.zeros(Tt, Hv, 64, dtype=q.dtype, device="cuda")
+        prep = builder("bfloat16", 128)
 
-        def prepare(prep=builder("bfloat16", 128), A=A):
+        def prepare(prep=prep, A=A):
             prep(k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
 
         prepare()
         outputs[name] = A
         rows.append([shape.label, name, "", bench(prepare), ""])
-    A = next(outputs[n] for n, b in PREPARE_KERNELS.items() if b is prepare_kernel())
+    A = outputs[prepare_kernel_name()]                   # the one the forward runs
     for row, A_other in zip(rows, outputs.values()):     # err: A vs the forward's A
         row[2] = f"{rel_err(A_other, A):.1e}"
     lens = inp["cu_seqlens_cpu"].diff()
@@ -164,13 +171,15 @@ def tune(tilings, args) -> int:
 
     rows = []
     for spec in args.shapes.split(","):
-        rows += run_shape(Shape.from_key(f"fwd:{spec}"), tilings, args)
-        print(tabulate(rows[-len(tilings) - 1:], tablefmt="plain"), flush=True)
-    print(tabulate(rows, headers=["shape", "kernel", "err vs torch", "ms", "us/chunk"],
+        shape_rows = run_shape(Shape.from_key(f"fwd:{spec}"), tilings, args)
+        rows += shape_rows
+        print(tabulate(shape_rows, tablefmt="plain"), flush=True)
+    print(tabulate(rows, headers=["shape", "kernel", "err", "ms", "us/chunk"],
                    tablefmt="github"))
     from flash_qla_sm90.kernels import traits
 
-    print(f"fitted FWD_CHUNK_US = {fit_chunk_us(rows)}  (traits: {traits.FWD_CHUNK_US})")
+    print(f"fitted FWD_CHUNK_US = {fit_chunk_us(rows)}  (traits: {traits.FWD_CHUNK_US}, "
+          f"transposed: {traits.FWD_CHUNK_US_TRANSPOSED})")
     return 0
 
 
@@ -182,6 +191,7 @@ def fit_chunk_us(rows) -> dict:
     >>> fit_chunk_us([["2/8 1x32768", "32x256", "", 2.37, 4.63],
     ...               ["8/32 1x32768", "32x256", "", 2.29, 4.48],
     ...               ["2/8 1x32768", "prepare", "", 0.11, ""],
+    ...               ["2/8 1x32768", "prepare-blocked", "", 0.07, ""],
     ...               ["16/32 varlen-a (8 seqs)", "64x256", "", 1.65, 6.4],
     ...               ["2/8 1x32768", "t", "", 3.02, 5.89]])
     {32: 4.55, 't': 5.89}
@@ -193,7 +203,7 @@ def fit_chunk_us(rows) -> dict:
         if kernel.startswith("prepare") or "varlen" in label or "seqs=" in label:
             continue
         per_bv.setdefault(parse_tiling(kernel)[0], []).append(us)
-    order = sorted(per_bv, key=lambda bv: (isinstance(bv, str), bv))     # BLOCK_Vs, then "t"
+    order = sorted(per_bv, key=lambda bv: (isinstance(bv, str), bv))     # BLOCK_Vs, then "t", "ws"
     return {bv: round(statistics.median(per_bv[bv]), 2) for bv in order}
 
 

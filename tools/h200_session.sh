@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call (fits the 10-minute limit). Stages, chosen with STAGES="...":
-#   smoke     one short run of SMOKE_TILINGS (default ws) with tune_chunk_fwd.py under
-#             SMOKE_TIMEOUT (default 60 s); if it fails (a hang, a fault), the later stages
-#             leave out chunk_fwd_ws (tests) and SMOKE_TILINGS (tune), so a broken new
-#             kernel costs a minute instead of the call
+#   smoke     one short run of SMOKE_TILINGS (default ws) and every prepare kernel with
+#             tune_chunk_fwd.py under SMOKE_TIMEOUT (default 60 s); if it fails (a hang, a
+#             fault), every later stage is skipped (they all run the default kernels), so
+#             a broken kernel costs a minute instead of the call
 #   tests     pytest -m gpu (forward, backward, segments), TEST_FILTER (-k) selecting
 #   dh        the chunk_bwd_dh sweep check (isolated: it is the slowest)
-#   tune      benchmark/tune_chunk_fwd.py: prepare + every chunk_fwd tiling, checked and timed
+#   tune      benchmark/tune_chunk_fwd.py: every prepare kernel + every tiling, checked and timed
 #   bwd       forward+backward timings of ours and BWD_PEERS (bench --mode bwd)
 #   fwd       forward timings of ours, eager and graphed (bench --mode fwd)
 #   evidence  forward table (eager + CUDA graph) of ours beside EVIDENCE_PEERS on
@@ -26,23 +26,14 @@ export TILELANG_PRINT_ON_COMPILATION=0
 OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
 STAGES=${STAGES:-"tests tune bwd"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-drop_tilings() {   # $1: tune_chunk_fwd.py arguments, $2: comma list of tilings to leave out
-  local out="" word prev=""
-  for word in $1; do
-    [[ $prev == --tilings ]] && word=$(tr ',' '\n' <<< "$word" | grep -vxF -f <(tr ',' '\n' <<< "$2") | paste -sd,)
-    out+="$word "; prev=$word
-  done
-  echo "$out"
-}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs"
 if has smoke; then
   if ! timeout "${SMOKE_TIMEOUT:-60}" python3 benchmark/tune_chunk_fwd.py \
       --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
-    echo "smoke failed: leaving out chunk_fwd_ws and ${SMOKE_TILINGS:-ws}" | tee -a "$R/smoke.txt"
-    TEST_FILTER="(${TEST_FILTER:-not dh_kernel}) and not chunk_fwd_ws"
-    TUNE_ARGS=$(drop_tilings "${TUNE_ARGS:-}" "${SMOKE_TILINGS:-ws}")
+    echo "smoke failed: skipping the stages after it ($STAGES)" | tee -a "$R/smoke.txt"
+    STAGES=""
   fi
 fi
 if has tests; then

@@ -125,10 +125,12 @@ def _ptxas_report(src: str, tmp_path) -> str:
 
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
+    from tests.conftest import _nvcc
+
     cu = tmp_path / "kernel.cu"
     cu.write_text(src)
     out = subprocess.run(
-        ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"),
+        [_nvcc(), "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"),
          "--ptxas-options=-v", "-I" + CUTLASS_INCLUDE_DIR, "-I" + TILELANG_TEMPLATE_PATH,
          str(cu)], capture_output=True, text=True, check=True)
     return out.stdout + out.stderr
@@ -197,7 +199,8 @@ def _global_accesses(src: str):
     return found
 
 
-@pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws", "bwd_dh", "bwd_intra"])
+@pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws",
+                                    "bwd_dh", "bwd_intra"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
@@ -206,8 +209,10 @@ def test_global_indexing_is_64_bit(kernel):
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
     from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
-    from flash_qla_sm90.kernels.chunk_prepare import (chunk_prepare_blocked_kernel,
-                                                      chunk_prepare_kernel)
+    from flash_qla_sm90.kernels.chunk_prepare import (
+        chunk_prepare_blocked_kernel,
+        chunk_prepare_kernel,
+    )
 
     builder, args = {
         "prepare": (chunk_prepare_kernel, ("bfloat16", 128)),

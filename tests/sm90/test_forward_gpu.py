@@ -260,16 +260,19 @@ def test_high_level_options():
 
 def test_no_recompilation_across_shapes():
     """B, T, H, N and sequence lengths are dynamic: one compiled kernel per static config."""
+    from flash_qla_sm90.kernels import forward
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
-    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_kernel
 
-    warm = make_inputs(Case(1, 64, 1, 1))
-    flash_qla.chunk_gated_delta_rule_fwd(**warm)
-    before = (len(chunk_fwd_kernel._kernel_cache), len(chunk_prepare_kernel._kernel_cache))
-    for case in (Case(2, 300, 2, 4), Case(1, 777, 4, 32), _varlen([5, 0, 900, 64], 1, 8)):
+    builders = (chunk_fwd_kernel, forward.prepare_kernel(),
+                forward.TRANSPOSED_KERNELS[forward.transposed_kernel()])
+    warm = [Case(1, 64, 1, 1), Case(8, 256, 16, 32)]       # chunk_fwd; the transposed kernel
+    for case in warm:
         flash_qla.chunk_gated_delta_rule_fwd(**make_inputs(case))
-    after = (len(chunk_fwd_kernel._kernel_cache), len(chunk_prepare_kernel._kernel_cache))
-    assert after == before
+    before = [len(b._kernel_cache) for b in builders]
+    for case in (Case(2, 300, 2, 4), Case(1, 777, 4, 32), _varlen([5, 0, 900, 64], 1, 8),
+                 Case(9, 100, 16, 32)):
+        flash_qla.chunk_gated_delta_rule_fwd(**make_inputs(case))
+    assert [len(b._kernel_cache) for b in builders] == before
 
 
 SEGMENT_CASES = [

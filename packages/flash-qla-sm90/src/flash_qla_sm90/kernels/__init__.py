@@ -1,14 +1,16 @@
 """Hopper kernels, loaded on first use by ``flash_qla_sm90.BACKEND.loader``.
 
-One module per quantity computed: ``chunk_prepare`` (gate cumsum + gate-free inverse),
+One module per quantity computed: ``chunk_prepare`` (gate cumsum + gate-free inverse:
+the blocked fp16-WGMMA kernel by default, the fp32 substitution kernel as fallback),
 ``chunk_fwd`` (the fused chunk recurrence, state columns split over CTAs),
 ``chunk_fwd_t`` (the same with the whole state transposed in registers) and
-``chunk_fwd_ws`` (that with an aux warpgroup; off); ``forward`` orchestrates them and
-``chunk_layout`` builds the per-call chunk index; ``chunk_bwd_dh`` (the reverse
-state-gradient sweep), ``chunk_bwd_intra`` (every per-chunk gradient) and ``backward``
-(their orchestration) are the backward's. ``tile_ops`` holds the tile steps they share,
-``traits`` the static configuration. ``kernel_cache`` seeds TileLang's cache with the
-kernels compiled at build time, so the first call does not compile.
+``chunk_fwd_ws`` (that with an aux warpgroup; the default transposed kernel);
+``forward`` orchestrates them and ``chunk_layout`` builds the per-call chunk index;
+``chunk_bwd_dh`` (the reverse state-gradient sweep), ``chunk_bwd_intra`` (every
+per-chunk gradient) and ``backward`` (their orchestration) are the backward's. ``tile_ops``
+holds the tile steps they share, ``traits`` the static configuration. ``kernel_cache``
+seeds TileLang's cache with the kernels compiled at build time, so the first call does
+not compile.
 """
 
 from __future__ import annotations

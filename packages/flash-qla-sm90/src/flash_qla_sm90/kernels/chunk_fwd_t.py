@@ -17,7 +17,7 @@ Rows past a sequence's end: R's columns are selected to 0 and K's rows zeroed (N
 padding never meets a GEMM), P and Ag are masked, and only valid rows are stored.
 
 Status: verified on an H200 (tests/sm90/test_forward_gpu.py::
-test_transposed_kernel_matches_recurrence, and every forward test with it on by
+test_transposed_kernel_matches_recurrence, and every forward test while it was the
 default); 5.8 us per chunk for the whole state. Its successor with the state-independent
 work on an aux warpgroup, ``chunk_fwd_ws``, is the default; this kernel runs with
 ``traits.FWD_AUX_WARPGROUP`` off.

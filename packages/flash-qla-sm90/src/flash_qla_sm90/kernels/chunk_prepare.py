@@ -6,16 +6,20 @@ For each chunk (rows i, j in [0, C)) and value head (gdn-math.md, "Chunked form"
     N   = strictly_lower(diag(beta) K K^T)            # [C, C]
     A   = (I + N)^-1                                  # [C, C] unit lower-triangular
 
-A depends only on k and beta, so no exponent of the gate enters it. The inverse is a
-forward substitution done in fp32: thread j owns column j of A,
+A depends only on k and beta, so no exponent of the gate enters it. Two kernels compute
+it (``traits.PREPARE_BLOCKED`` picks, ``forward.prepare_kernel``):
+``chunk_prepare_blocked_kernel`` (the default; 16 x 16 blocks by substitution, the rest
+as four fp16 WGMMA products, see its docstring) and ``chunk_prepare_kernel``, described
+here (fp32 throughout; the fallback). Its inverse is a forward substitution done in
+fp32: thread j owns column j of A,
 ``A[i, j] = delta_ij - sum_{m<i} N[i, m] A[m, j]``, evaluated right-looking (row m,
 once final, is subtracted from all later rows) so the dependent chain is C steps; N^T
 lives in shared memory and is read by broadcast, so the sweep needs no barrier. Rows
 past the end of a sequence act as k = beta = 0 and are not written.
 
-One CTA (one warpgroup) takes two consecutive chunks of the grid, so that the 128
-threads run two substitutions at once (one column per thread) instead of leaving half
-of them idle.
+In ``chunk_prepare_kernel`` one CTA (one warpgroup) takes two consecutive chunks of the
+grid, so that the 128 threads run two substitutions at once (one column per thread)
+instead of leaving half of them idle.
 """
 
 import tilelang
@@ -264,5 +268,5 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
 
 
 #: The prepare kernels by name (tuning: ``benchmark/tune_chunk_fwd.py`` times each);
-#: ``forward.prepare_kernel`` picks the one ``traits.PREPARE_BLOCKED`` selects.
+#: ``forward.prepare_kernel_name`` says which one ``traits.PREPARE_BLOCKED`` selects.
 PREPARE_KERNELS = {"prepare": chunk_prepare_kernel, "prepare-blocked": chunk_prepare_blocked_kernel}

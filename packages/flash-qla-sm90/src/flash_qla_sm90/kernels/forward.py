@@ -12,7 +12,7 @@ from .chunk_fwd import chunk_fwd_kernel
 from .chunk_fwd_t import chunk_fwd_t_kernel
 from .chunk_fwd_ws import chunk_fwd_ws_kernel
 from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
-from .chunk_prepare import chunk_prepare_blocked_kernel, chunk_prepare_kernel
+from .chunk_prepare import PREPARE_KERNELS
 from .traits import CHUNK
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -27,9 +27,14 @@ def transposed_kernel() -> str:
     return "ws" if traits.FWD_AUX_WARPGROUP else "t"
 
 
+def prepare_kernel_name() -> str:
+    """Name in ``PREPARE_KERNELS`` of the prepare kernel ``traits.PREPARE_BLOCKED`` selects."""
+    return "prepare-blocked" if traits.PREPARE_BLOCKED else "prepare"
+
+
 def prepare_kernel():
-    """Builder of the prepare kernel ``traits.PREPARE_BLOCKED`` selects (same arguments)."""
-    return chunk_prepare_blocked_kernel if traits.PREPARE_BLOCKED else chunk_prepare_kernel
+    """Builder of the selected prepare kernel (both take the same arguments)."""
+    return PREPARE_KERNELS[prepare_kernel_name()]
 
 
 def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:

@@ -43,15 +43,15 @@ def variants(experimental: bool = False):
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
-    from .chunk_prepare import chunk_prepare_blocked_kernel, chunk_prepare_kernel
+    from .chunk_prepare import PREPARE_KERNELS
+    from .forward import prepare_kernel_name
 
     tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
                                       (traits.FWD_WIDE, traits.FWD_WIDE_TILING)) if on]
     for dtype in traits.DTYPES:
         for K, V in traits.HEAD_DIMS:
-            for blocked, prepare in ((False, chunk_prepare_kernel),
-                                     (True, chunk_prepare_blocked_kernel)):
-                if experimental or blocked == traits.PREPARE_BLOCKED:
+            for name, prepare in PREPARE_KERNELS.items():
+                if experimental or name == prepare_kernel_name():
                     yield prepare, (dtype, K)
             for has_h0 in (False, True):
                 for store_h in (False, True):
