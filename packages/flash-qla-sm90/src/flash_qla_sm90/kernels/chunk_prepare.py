@@ -169,10 +169,15 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
 
     The four 64 x 64 x 64 products run on WGMMA with fp16 operands and fp32
     accumulation (X - M X is formed from X's fp32 accumulator). fp16 keeps 11 mantissa
-    bits: on L2-normalised keys the error of A is at or below the bf16 rounding of the
-    stored A (tests/sm90/test_prepare_algorithm.py emulates every rounding). Operands stay
-    in fp16 range while |beta k_i . k_j| is O(1), as with normalised keys; the delta rule
-    itself diverges well before that bound is left. Small shared tiles (fp16 operands,
+    bits: with beta |k|^2 <= 1 (L2-normalised keys, beta in (0, 1), the GDN setting) the
+    error of A is at or below the bf16 rounding of the stored A, near-parallel keys
+    included (tests/sm90/test_prepare_algorithm.py emulates every rounding). Towards the
+    edge of stability it grows: 2.9e-3 at beta |k|^2 = 1.5 and 1.1e-2 at 1.9 on
+    near-parallel keys (bf16 rounding of A: 1.6e-3); ``chunk_prepare_kernel`` (fp32)
+    serves such inputs. Range: while beta |k|^2 <= 2 (each token's I - beta k k^T a
+    contraction) D, M, M^2, X stay below ~4 and |A| <= beta |k|^2, far inside fp16;
+    past it the inverse grows without bound in any precision (1e11 at 2.5), as does the
+    recurrence. Small shared tiles (fp16 operands,
     only the diagonal blocks of N in fp32) keep several CTAs per SM, so one CTA's chain of
     phases overlaps the others'.
     """

@@ -61,7 +61,8 @@ FWD_AUX_WARPGROUP = True
 #: at 16/32 8x4096 on the H200; verified there 2026-11-30: its 17 GPU tests, and the
 #: forward / backward / segment tests with it on by default) or ``chunk_prepare_kernel``
 #: (False: one fp32 substitution per column; 0.43 ms, bound by instruction fetch of its
-#: unrolled sweep; the fallback for keys far from unit norm, where fp16 could overflow).
+#: unrolled sweep; fp32 throughout, for keys that are not L2-normalised: the blocked
+#: kernel's error grows past beta |k|^2 = 1, to 1.1e-2 of A at 1.9 on near-parallel keys).
 PREPARE_BLOCKED = True
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
