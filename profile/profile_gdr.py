@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="backend= for our function (default automatic; 'torch' on cpu)",
     )
     p.add_argument(
+        "--ours-segment-len",
+        type=int,
+        default=None,
+        help="segment_len= for our function: profile the exact segment-parallel forward "
+        "(segments of this many tokens, a multiple of 64)",
+    )
+    p.add_argument(
         "--fla-tune-rep-ms",
         type=float,
         default=None,
@@ -308,6 +315,7 @@ def main(argv=None) -> int:
             "iters": args.iters,
             "bwd": not args.skip_bwd,
             "ours_backend": args.ours_backend,
+            "ours_segment_len": args.ours_segment_len,
             "fla_tune_rep_ms": args.fla_tune_rep_ms,
             "capability": info.get("capability"),
         }

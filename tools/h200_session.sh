@@ -12,6 +12,9 @@
 #   evidence  forward table (eager + CUDA graph) of ours beside EVIDENCE_PEERS on
 #             EVIDENCE_SHAPES, tag H200 (the file benchmark/results/H200.md is made of)
 #   profile   per-kernel profile of ours, develop set
+#   seg       forward of ours on SEG_SHAPES unsplit and with each SEG_LENS (default 1024
+#             2048 4096) as segment_len (issue 6), then the kernel profile of the segment
+#             path with the first of SEG_LENS on the develop set's SEG_PROFILE rows
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes every shape, each
 #             config timed FLA_TUNE_REP_MS, default 20 ms, instead of Triton's 100)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
@@ -65,6 +68,18 @@ if has profile; then
   timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
     --shapes "${PROFILE_SHAPES:-16/16@*}" --out "$R" > "$R/profile.txt" 2>&1
 fi
+if has seg; then
+  for len in none ${SEG_LENS:-1024 2048 4096}; do
+    extra=(); [ "$len" != none ] && extra=(--ours-segment-len "$len")
+    timeout 100 python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
+      --tag "H200-seg-$len" --deadline-s 85 "${extra[@]}" \
+      --shapes "${SEG_SHAPES:-2/8@1x32768,4/16@1x32768,16/16@1x32768}" > "$R/seg-$len.txt" 2>&1
+  done
+  first=$(set -- ${SEG_LENS:-1024 2048 4096}; echo "$1")
+  timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 --skip-bwd \
+    --shapes "${SEG_PROFILE:-4/4@*}" --ours-segment-len "$first" --out "$R/seg-profile" \
+    > "$R/seg-profile.txt" 2>&1
+fi
 if has ncu; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
@@ -96,5 +111,7 @@ tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
 cat "$R"/gpu-*.txt 2>/dev/null | grep -E "^FAILED|^ERROR" | head -20
 [ -f "$R/ncu.txt" ] && grep -E "stalled|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Theoretical Occ|No Eligible|One or More" "$R/ncu.txt" | sort -k3 -rn | head -40
-for f in bwd fwd evidence profile fla; do [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12; done
+for f in bwd fwd evidence profile fla seg-none seg-1024 seg-2048 seg-4096 seg-profile; do
+  [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12
+done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"
