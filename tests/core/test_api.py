@@ -470,3 +470,50 @@ def test_public_names():
                                       "chunk_gated_delta_rule_fwd",
                                       "chunk_gated_delta_rule_bwd", "utils"}
     assert isinstance(flash_qla.__version__, str) and flash_qla.__version__
+
+
+class PlanningKernels(SpyKernels):
+    """SpyKernels with an automatic segment planner that always splits at 64 tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.plans = []
+
+    def plan_segment_len(self, bounds, Hv, K, V, device):
+        self.plans.append((bounds, Hv, K, V))
+        return 64
+
+
+@pytest.fixture
+def planner(monkeypatch):
+    kernels = PlanningKernels()
+    monkeypatch.setattr(dispatch, "get_kernels", lambda device, **kw: (dispatch.TORCH_BACKEND,
+                                                                        kernels))
+    return kernels
+
+
+def test_auto_split_asks_the_backend_and_stays_exact(planner):
+    """With host offsets, the backend's planner is asked (auto_cp None or True) and its
+    split (the forward passes of flash_qla.segments) gives the fp64 recurrence's result."""
+    inputs = make_inputs(VARLEN)
+    cu_cpu = cu_tensor(VARLEN)
+    for auto_cp in (None, True):
+        planner.fwd_calls.clear()
+        o, ht = run_api(inputs, VARLEN, cu_seqlens_cpu=cu_cpu, auto_cp=auto_cp)
+        # local states, transitions (one pass per V columns of the K x K identity), output
+        assert len(planner.fwd_calls) == 2 + -(-VARLEN.K // VARLEN.V)
+        ref_o, ref_ht = oracle(inputs, VARLEN)
+        assert too_large(errors({"o": o, "ht": ht}, {"o": ref_o, "ht": ref_ht}), FP64_TOL) == {}
+    assert planner.plans[0] == (list(VARLEN.cu_seqlens), VARLEN.Hv, VARLEN.K, VARLEN.V)
+
+
+@pytest.mark.parametrize("kwargs", [dict(auto_cp=False), dict(segment_len=128),
+                                    dict(force_intra_cp=True), dict(cpu_offsets=False)],
+                         ids=["auto_cp-False", "segment_len", "force_intra_cp", "no-host-offsets"])
+def test_auto_split_not_asked(planner, kwargs):
+    """auto_cp=False, an explicit split, or offsets only on the device (asking would
+    sync): the planner is not consulted."""
+    inputs = make_inputs(VARLEN)
+    cu_cpu = cu_tensor(VARLEN) if kwargs.pop("cpu_offsets", True) else None
+    run_api(inputs, VARLEN, cu_seqlens_cpu=cu_cpu, **kwargs)
+    assert planner.plans == []

@@ -89,3 +89,50 @@ def test_transposed_kernel_only_when_on_and_cheaper(monkeypatch):
     # 8 pairs: one round either way, and the narrow tile's 4.55 us is cheaper
     assert not forward.use_transposed(1, 8, 128, 128, 132)
     assert not forward.use_transposed(8, 32, 64, 128, 132)          # K = 64: not served
+
+
+# Same-run forward rows on the H200 (benchmark/results/H200.md and call6/H200.md of
+# benchmark/results/H200-v4-2026-11-30, eager ms): shape -> (bounds, Hv, measured ms).
+MEASURED_FWD = {
+    "16/32 8x4096": ([b * 4096 for b in range(9)], 32, 0.901),
+    "16/64 2x16384": ([0, 16384, 32768], 64, 1.752),
+    "16/64 1x32768": ([0, 32768], 64, 2.983),
+    "16/16 4x8192": ([b * 8192 for b in range(5)], 16, 0.768),
+    "2/8 1x32768": ([0, 32768], 8, 2.479),
+}
+
+
+@pytest.mark.parametrize("shape", list(MEASURED_FWD))
+def test_forward_cost_model_reproduces_the_measured_rows(shape):
+    """predicted_fwd_us (the fused kernels' fitted per-chunk costs + the prepare's per
+    (chunk, head) cost) within 8% of the forward measured beside the peers."""
+    from flash_qla_sm90.kernels.forward import predicted_fwd_us
+
+    bounds, Hv, ms = MEASURED_FWD[shape]
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    assert abs(predicted_fwd_us(lens, Hv, 128, 128, 132) / 1e3 - ms) < 0.08 * ms
+
+
+def test_segment_plan_is_off_until_fitted(monkeypatch):
+    from flash_qla_sm90.kernels import forward, traits
+
+    monkeypatch.setattr(traits, "SEGMENT_AUTO", False)
+    assert forward.plan_segment_len([0, 32768], 8, 128, 128, 132) is None
+
+
+def test_segment_plan_splits_only_few_head_long_sequences(monkeypatch):
+    """With the model on: one long sequence at few heads splits (8 (sequence, head)
+    pairs on 132 SMs); grids that fill the GPU, short sequences and empty inputs do
+    not; the chosen split is predicted cheaper than the unsplit forward."""
+    from flash_qla_sm90.kernels import forward, traits
+
+    monkeypatch.setattr(traits, "SEGMENT_AUTO", True)
+    seg = forward.plan_segment_len([0, 32768], 8, 128, 128, 132)
+    assert seg in traits.SEGMENT_LENS
+    pieces = [seg] * (32768 // seg)
+    split_us = (3 * forward.predicted_fwd_us(pieces, 8, 128, 128, 132)
+                + (32768 // seg) * traits.SEGMENT_SCAN_STEP_US + traits.SEGMENT_FIXED_US)
+    assert split_us < forward.predicted_fwd_us([32768], 8, 128, 128, 132)
+    for bounds, Hv in (([b * 4096 for b in range(9)], 32), ([0, 32768], 64),
+                       ([0, 1000], 8), ([0, 0], 8), ([0], 8)):
+        assert forward.plan_segment_len(bounds, Hv, 128, 128, 132) is None, (bounds, Hv)

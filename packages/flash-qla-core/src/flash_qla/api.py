@@ -158,6 +158,22 @@ def gate_from_params(g: torch.Tensor, A_log: torch.Tensor,
     return -torch.exp(A_log.to(work)) * F.softplus(x)                 # [B,T,Hv]
 
 
+def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_seqlens_cpu,
+                      ) -> int | None:
+    """The backend's automatic segment split (``auto_cp``), asked only when it has a
+    planner, the sequence lengths are on the host (dense input, or ``cu_seqlens_cpu``)
+    and no CUDA graph is being captured (the split is planned on the host)."""
+    plan = getattr(kernels, "plan_segment_len", None)
+    if plan is None or (cu_seqlens is not None and cu_seqlens_cpu is None):
+        return None
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    B, T = q.shape[:2]
+    bounds = ([b * T for b in range(B + 1)] if cu_seqlens is None
+              else [int(x) for x in cu_seqlens_cpu.tolist()])               # [N+1]
+    return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device)
+
+
 def _swap_state_layout(state: torch.Tensor | None) -> torch.Tensor | None:
     """``[N, Hv, K, V]`` <-> ``[N, Hv, V, K]`` (contiguous copy)."""
     return None if state is None else state.transpose(-1, -2).contiguous()
@@ -265,9 +281,12 @@ def chunk_gated_delta_rule(
             ``g = -exp(A_log) * softplus(g + dt_bias)``, computed in fp32 as a
             differentiable pre-pass. A_log ``[Hv]`` is required, dt_bias ``[Hv]`` is
             optional (None means 0); both are rejected without ``use_gate_in_kernel``.
-        auto_cp: a performance hint (FlashQLA): True/False/None are accepted; there is
-            no automatic split decision yet (it needs the H200 cost model), so it does
-            not change the computation.
+        auto_cp: None/True (default None): without ``segment_len`` / ``force_intra_cp``,
+            the backend may split long sequences on its own (exact, as
+            ``segment_len``) when its cost model predicts a gain; it is asked only when
+            the lengths are on the host (dense input or ``cu_seqlens_cpu``) and no CUDA
+            graph is being captured. sm90 keeps this off until the model is fitted on
+            the H200 (``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``). False: never.
         segment_len: tokens per segment (a positive multiple of 64) of the exact
             segment-parallel forward (:mod:`flash_qla.segments`): every sequence is
             split into segments computed in parallel, then stitched by a short scan over
@@ -306,6 +325,8 @@ def chunk_gated_delta_rule(
     validation.check_same_device({"q": q, "A_log": A_log, "dt_bias": dt_bias})
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
+    if segment_len is None and auto_cp is not False:
+        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu)
 
     # Pre-passes: everything the kernels' canonical contract does not cover.
     if use_qk_l2norm_in_kernel:

@@ -59,6 +59,11 @@ class Kernels(Protocol):
         in q's dtype, dh0 fp32 ``[N,Hv,K,V]`` or None when initial_state is None.
         """
 
+    # Optional: ``plan_segment_len(bounds, Hv, K, V, device) -> int | None``, the
+    # backend's automatic segment-parallelism choice from host sequence offsets
+    # ``bounds`` ``[N + 1]`` (None: no split). Backends without it never split on their
+    # own; the core asks only when the lengths are on the host and no graph is captured.
+
 
 @dataclass(frozen=True)
 class BackendSpec:

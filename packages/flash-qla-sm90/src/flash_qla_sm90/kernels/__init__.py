@@ -36,6 +36,12 @@ class Sm90Kernels:
                          cu_seqlens_cpu=cu_seqlens_cpu)
 
 
+    def plan_segment_len(self, bounds, Hv, K, V, device):
+        from .forward import _sm_count, plan_segment_len
+
+        return plan_segment_len(bounds, Hv, K, V, _sm_count(device))
+
+
 def load() -> Sm90Kernels:
     from .kernel_cache import use_shipped_cache
 

@@ -130,6 +130,52 @@ def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> boo
                       for bv in _tiling_options(V, None, None))
 
 
+def predicted_fwd_us(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> float:
+    """Predicted forward time (prepare + fused kernel), microseconds, of packed sequences
+    of ``lens`` tokens: the cost model of :func:`fused_tiling` / :func:`use_transposed`
+    at the longest sequence's chunk count, plus ``traits.PREPARE_US_PER_CHUNK_HEAD`` per
+    (chunk, value head)."""
+    chunks = [-(-n // CHUNK) for n in lens if n > 0]                 # per sequence
+    if not chunks:
+        return 0.0
+    n = len(chunks)
+    if use_transposed(n, Hv, K, V, sm_count):
+        per_chunk = (waves(n, Hv, V, sm_count, V)
+                     * traits.FWD_CHUNK_US_TRANSPOSED[transposed_kernel()])
+    else:
+        options = _tiling_options(V, None, None)
+        per_chunk = min(_tiling_cost(n, Hv, V, sm_count, bv) for bv in options)
+    return max(chunks) * per_chunk + sum(chunks) * Hv * traits.PREPARE_US_PER_CHUNK_HEAD
+
+
+def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
+                     sm_count: int) -> int | None:
+    """The automatic segment-parallelism choice (``auto_cp``): the segment length in
+    ``traits.SEGMENT_LENS`` whose predicted time beats the unsplit forward's by at
+    least ``traits.SEGMENT_MIN_GAIN``, or None (no split; also whenever
+    ``traits.SEGMENT_AUTO`` is off). ``bounds``: host sequence offsets ``[N + 1]``.
+
+    The split costs three forwards over all segments (``flash_qla.segments``: local
+    states, transitions, output), one scan step per segment position of the longest
+    sequence (``traits.SEGMENT_SCAN_STEP_US``) and ``traits.SEGMENT_FIXED_US``.
+    """
+    if not traits.SEGMENT_AUTO:
+        return None
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    best = None
+    best_us = predicted_fwd_us(lens, Hv, K, V, sm_count) * (1 - traits.SEGMENT_MIN_GAIN)
+    for seg in traits.SEGMENT_LENS:
+        pieces = [min(seg, n - s) for n in lens for s in range(0, n, seg)]
+        steps = max(-(-n // seg) for n in lens) if lens else 0
+        if steps < 2:
+            continue                                  # no sequence is split at this length
+        us = (3 * predicted_fwd_us(pieces, Hv, K, V, sm_count)
+              + steps * traits.SEGMENT_SCAN_STEP_US + traits.SEGMENT_FIXED_US)
+        if us < best_us:
+            best, best_us = seg, us
+    return best
+
+
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
            num_chunks: int | None, alloc, tiling: tuple | str | None = None):
     """Run the fused chunk-recurrent kernel on packed inputs.

@@ -65,6 +65,23 @@ FWD_AUX_WARPGROUP = True
 #: kernel's error grows past beta |k|^2 = 1, to 1.1e-2 of A at 1.9 on near-parallel keys).
 PREPARE_BLOCKED = True
 
+#: Prepare kernel cost per (chunk, value head), microseconds over the whole GPU (the
+#: blocked kernel on the H200, 2026-11-30, tune_chunk_fwd.py: 0.0153-0.0167 us on
+#: 16/32 8x4096, 16/16 4x8192, 2/8 1x32768).
+PREPARE_US_PER_CHUNK_HEAD = 0.016
+
+#: Automatic segment parallelism (issue 6; ``forward.plan_segment_len``): the segment
+#: lengths tried, the cost of one step of the scan over segment positions and of the
+#: split's fixed work (host planning, index tensors), and the predicted gain a split
+#: must bring. SCAN_STEP_US and SEGMENT_FIXED_US are estimates, not yet fitted on the
+#: H200 (``tools/h200_session.sh`` stage ``seg`` measures them), so the automatic
+#: choice is off; ``segment_len=`` forces a split.
+SEGMENT_AUTO = False
+SEGMENT_LENS = (1024, 2048, 4096, 8192)
+SEGMENT_SCAN_STEP_US = 30.0
+SEGMENT_FIXED_US = 100.0
+SEGMENT_MIN_GAIN = 0.15
+
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
 
