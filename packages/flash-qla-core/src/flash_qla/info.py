@@ -26,6 +26,10 @@ _CC_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 _CC_MINOR = 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
 _MIN_DRIVER_CUDA = (12, 8)
 
+#: How to get the ``info`` extra (cuda-python), published or from a clone.
+INFO_EXTRA_HINT = ('pip install "flash-qla[info]" (from a clone: pip install -e '
+                   '"packages/flash-qla-core[info]")')
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -149,8 +153,8 @@ def query_devices() -> DeviceQuery:
             from cuda import cuda as driver  # cuda-python < 12.6
         except ImportError:
             query = _query_ctypes()
-            query.notes.append('cuda-python is not installed: pip install "flash-qla[info]" '
-                               "for the supported query")
+            query.notes.append("cuda-python (the supported query) is not installed: "
+                               + INFO_EXTRA_HINT)
             return query
     return _query_cuda_python(driver)
 
@@ -199,7 +203,7 @@ def report(*, verbose: bool = False, query: DeviceQuery | None = None) -> tuple[
         ["Python", f"{platform.python_version()} ({sys.executable})"],
         ["torch", _torch_line()],
         ["TileLang", tilelang or "not installed (the kernel packages install it)"],
-        ["cuda-python", cuda_python or 'not installed (pip install "flash-qla[info]")'],
+        ["cuda-python", cuda_python or f"not installed; {INFO_EXTRA_HINT}"],
         [dispatch.ENV_VAR, os.environ.get(dispatch.ENV_VAR) or "(unset: pick by GPU)"],
     ]))
 
