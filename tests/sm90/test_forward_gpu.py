@@ -294,3 +294,21 @@ def test_segment_parallel_forward(case, segment_len):
     tol = TOL[case.dtype]
     assert rel_l2(o, o_ref) < tol
     assert rel_l2(final, final_ref) < tol
+
+
+def test_automatic_split_matches_recurrence(monkeypatch):
+    """The automatic segment plan switched on (traits.SEGMENT_AUTO): one long sequence at
+    few heads is split by the cost model and still matches the fp64 recurrence; a grid
+    that fills the GPU is not planned for a split."""
+    from flash_qla_sm90.kernels import forward, traits
+
+    monkeypatch.setattr(traits, "SEGMENT_AUTO", True)
+    case = Case(1, 32768, 2, 8)
+    inp = make_inputs(case, seed=21)
+    sms = forward._sm_count(inp["q"].device)
+    assert forward.plan_segment_len([0, case.T], case.Hv, 128, 128, sms) is not None
+    o, final = flash_qla.chunk_gated_delta_rule(**inp, output_final_state=True)
+    o_ref, final_ref = reference(inp)
+    assert rel_l2(o, o_ref) < TOL[case.dtype]
+    assert rel_l2(final, final_ref) < TOL[case.dtype]
+    assert forward.plan_segment_len([b * 4096 for b in range(9)], 32, 128, 128, sms) is None
