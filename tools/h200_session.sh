@@ -111,7 +111,7 @@ tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
 cat "$R"/gpu-*.txt 2>/dev/null | grep -E "^FAILED|^ERROR" | head -20
 [ -f "$R/ncu.txt" ] && grep -E "stalled|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Theoretical Occ|No Eligible|One or More" "$R/ncu.txt" | sort -k3 -rn | head -40
-for f in bwd fwd evidence profile fla seg-none seg-1024 seg-2048 seg-4096 seg-profile; do
-  [ -f "$R/$f.txt" ] && grep "^|" "$R/$f.txt" | head -12
+for f in "$R"/{bwd,fwd,evidence,profile,fla}.txt "$R"/seg-*.txt; do   # seg-<len>, seg-profile
+  [ -f "$f" ] && grep "^|" "$f" | head -12
 done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"

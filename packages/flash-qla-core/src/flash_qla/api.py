@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from flash_qla import validation
 from flash_qla.backend import BackendSpec, Kernels
-from flash_qla.segments import DEFAULT_SEGMENT_LEN, fwd_with_segments
+from flash_qla.segments import DEFAULT_SEGMENT_LEN, fwd_with_segments, host_bounds
 
 #: segment_len must keep chunk boundaries in place: a multiple of every backend's C.
 SEGMENT_MULTIPLE = 64
@@ -168,9 +168,7 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
         return None
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    B, T = q.shape[:2]
-    bounds = ([b * T for b in range(B + 1)] if cu_seqlens is None
-              else [int(x) for x in cu_seqlens_cpu.tolist()])               # [N+1]
+    bounds = host_bounds(*q.shape[:2], cu_seqlens, cu_seqlens_cpu)       # [N+1], no sync
     return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device)
 
 

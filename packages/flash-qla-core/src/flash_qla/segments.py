@@ -25,10 +25,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_SEGMENT_LEN", "fwd_with_segments", "segment_bounds", "segmented_fwd"]
+__all__ = ["DEFAULT_SEGMENT_LEN", "fwd_with_segments", "host_bounds", "segment_bounds",
+           "segmented_fwd"]
 
 #: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``.
 DEFAULT_SEGMENT_LEN = 1024
+
+
+def host_bounds(B: int, T: int, cu_seqlens: Tensor | None,
+                cu_seqlens_cpu: Tensor | None) -> list[int]:
+    """Sequence offsets ``[N + 1]`` on the host: ``b * T`` for dense ``[B, T]`` inputs,
+    else ``cu_seqlens`` (from ``cu_seqlens_cpu`` when given; otherwise a host sync)."""
+    from .reference import _sequence_bounds  # lazily: `import flash_qla` stays light
+
+    if cu_seqlens is None:
+        return [b * T for b in range(B + 1)]
+    return _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
 
 
 def segment_bounds(bounds: list[int], segment_len: int) -> tuple[list[int], list[int]]:
@@ -133,11 +145,8 @@ def fwd_with_segments(fwd, q, k, v, g, beta, *, scale, initial_state, cu_seqlens
     ``[B, T]`` inputs are run as B packed sequences. Reads ``cu_seqlens`` on the host
     (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host, so this
     path cannot be captured in a CUDA graph."""
-    from .reference import _sequence_bounds  # lazily: `import flash_qla` stays light
-
     B, T = q.shape[:2]
-    bounds = (_sequence_bounds(cu_seqlens, cu_seqlens_cpu) if cu_seqlens is not None
-              else [b * T for b in range(B + 1)])
+    bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     g_cumsum, A, o, h, final_state = segmented_fwd(
         fwd, *packed, scale=scale, initial_state=initial_state, bounds=bounds,

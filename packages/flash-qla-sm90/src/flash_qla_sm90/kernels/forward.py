@@ -92,8 +92,16 @@ def fused_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
     >>> fused_tiling(8, 16, 128, 132, True, True), fused_tiling(8, 20, 128, 132, True, True)
     ((128, 256), ())
     """
+    return _best_tiling(num_seqs, Hv, V, sm_count, narrow, wide)[0]
+
+
+def _best_tiling(num_seqs: int, Hv: int, V: int, sm_count: int,
+                 narrow: bool | None, wide: bool | None) -> tuple[tuple, float]:
+    """The cheapest enabled ``chunk_fwd`` tiling and its predicted us per chunk."""
     options = _tiling_options(V, narrow, wide)
-    return options[min(options, key=lambda bv: _tiling_cost(num_seqs, Hv, V, sm_count, bv))]
+    costs = {bv: _tiling_cost(num_seqs, Hv, V, sm_count, bv) for bv in options}
+    block_v = min(costs, key=costs.get)
+    return options[block_v], costs[block_v]
 
 
 def _tiling_options(V: int, narrow: bool | None, wide: bool | None) -> dict:
@@ -118,33 +126,35 @@ def _tiling_cost(num_seqs: int, Hv: int, V: int, sm_count: int, block_v: int) ->
     return waves(num_seqs, Hv, V, sm_count, block_v) * traits.FWD_CHUNK_US[block_v]
 
 
+def fused_plan(num_seqs: int, Hv: int, K: int, V: int, sm_count: int,
+               ) -> tuple[tuple | str, float]:
+    """The fused kernel the cost model picks for ``num_seqs * Hv`` (sequence, head)
+    pairs, and its predicted us per chunk of the whole grid: the transposed forward's
+    name (:func:`transposed_kernel`; one CTA per pair) when ``traits.FWD_TRANSPOSED`` is
+    on, K = V = 128 and it is cheaper than every enabled ``chunk_fwd`` tiling, else that
+    cheapest tiling's arguments (:func:`fused_tiling`)."""
+    tiling, cost = _best_tiling(num_seqs, Hv, V, sm_count, None, None)
+    if traits.FWD_TRANSPOSED and (K, V) == (128, 128):
+        us = traits.FWD_CHUNK_US_TRANSPOSED[transposed_kernel()]
+        mine = waves(num_seqs, Hv, V, sm_count, V) * us
+        if mine < cost:
+            return transposed_kernel(), mine
+    return tiling, cost
+
+
 def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
-    """Whether the transposed forward (:func:`transposed_kernel`; one CTA per (sequence,
-    head)) serves the call: ``traits.FWD_TRANSPOSED`` on, K = V = 128, and its predicted
-    cost below every enabled ``chunk_fwd`` tiling's (same model as :func:`fused_tiling`)."""
-    if not traits.FWD_TRANSPOSED or (K, V) != (128, 128):
-        return False
-    us = traits.FWD_CHUNK_US_TRANSPOSED[transposed_kernel()]
-    mine = waves(num_seqs, Hv, V, sm_count, V) * us
-    return mine < min(_tiling_cost(num_seqs, Hv, V, sm_count, bv)
-                      for bv in _tiling_options(V, None, None))
+    """Whether :func:`fused_plan` picks the transposed forward for the call."""
+    return fused_plan(num_seqs, Hv, K, V, sm_count)[0] in TRANSPOSED_KERNELS
 
 
 def predicted_fwd_us(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> float:
     """Predicted forward time (prepare + fused kernel), microseconds, of packed sequences
-    of ``lens`` tokens: the cost model of :func:`fused_tiling` / :func:`use_transposed`
-    at the longest sequence's chunk count, plus ``traits.PREPARE_US_PER_CHUNK_HEAD`` per
-    (chunk, value head)."""
+    of ``lens`` tokens: :func:`fused_plan`'s cost at the longest sequence's chunk count,
+    plus ``traits.PREPARE_US_PER_CHUNK_HEAD`` per (chunk, value head)."""
     chunks = [-(-n // CHUNK) for n in lens if n > 0]                 # per sequence
     if not chunks:
         return 0.0
-    n = len(chunks)
-    if use_transposed(n, Hv, K, V, sm_count):
-        per_chunk = (waves(n, Hv, V, sm_count, V)
-                     * traits.FWD_CHUNK_US_TRANSPOSED[transposed_kernel()])
-    else:
-        options = _tiling_options(V, None, None)
-        per_chunk = min(_tiling_cost(n, Hv, V, sm_count, bv) for bv in options)
+    per_chunk = fused_plan(len(chunks), Hv, K, V, sm_count)[1]
     return max(chunks) * per_chunk + sum(chunks) * Hv * traits.PREPARE_US_PER_CHUNK_HEAD
 
 
@@ -182,8 +192,8 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
-    ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` overriding
-    :func:`fused_tiling`'s choice, or a name in ``TRANSPOSED_KERNELS`` (tuning).
+    ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` or a name in
+    ``TRANSPOSED_KERNELS``, overriding :func:`fused_plan`'s choice (tuning).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -194,13 +204,11 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
-    if tiling is None and use_transposed(layout.num_seqs, Hv, K, V, _sm_count(q.device)):
-        tiling = transposed_kernel()
+    if tiling is None:
+        tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
     if tiling in TRANSPOSED_KERNELS:
         kernel = TRANSPOSED_KERNELS[tiling](_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
     else:
-        if tiling is None:
-            tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device))
         kernel = chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)
     kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
