@@ -208,10 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ours-segment-len",
-        type=int,
+        type=C.segment_len_arg,
         default=None,
         help="segment_len= passed to our chunk_gated_delta_rule: the exact segment-"
-        "parallel forward with segments of this many tokens (a multiple of 64); use "
+        "parallel forward with segments of this many tokens (a multiple of 64); 'off': "
+        "auto_cp=False (never split); default: the backend's automatic choice; use "
         "--tag to keep its results apart",
     )
     out = p.add_argument_group("output")

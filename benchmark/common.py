@@ -440,6 +440,17 @@ def import_ours():
     return flash_qla
 
 
+def segment_len_arg(text: str) -> int | str:
+    """``--ours-segment-len``: a segment length in tokens (a multiple of 64), or "off"
+    (``auto_cp=False``: never split); without the option the backend decides."""
+    if text == "off":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an int (tokens per segment) or 'off', got {text!r}") from None
+
+
 class Ours(Impl):
     name = "ours"
 
@@ -457,7 +468,9 @@ class Ours(Impl):
 
     def call(self, a):
         kw = {"backend": self.backend} if self.backend else {}
-        if self.segment_len:
+        if self.segment_len == "off":
+            kw["auto_cp"] = False
+        elif self.segment_len:
             kw["segment_len"] = self.segment_len
         return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"], **kw)
 

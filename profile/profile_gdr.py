@@ -105,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ours-segment-len",
-        type=int,
+        type=C.segment_len_arg,
         default=None,
         help="segment_len= for our function: profile the exact segment-parallel forward "
-        "(segments of this many tokens, a multiple of 64)",
+        "(segments of this many tokens, a multiple of 64); 'off': auto_cp=False, never split; "
+        "default: the backend's automatic choice",
     )
     p.add_argument(
         "--fla-tune-rep-ms",

@@ -12,9 +12,10 @@
 #   evidence  forward table (eager + CUDA graph) of ours beside EVIDENCE_PEERS on
 #             EVIDENCE_SHAPES, tag H200 (the file benchmark/results/H200.md is made of)
 #   profile   per-kernel profile of ours, develop set
-#   seg       forward of ours on SEG_SHAPES unsplit and with each SEG_LENS (default 1024
-#             2048 4096) as segment_len (issue 6), then the kernel profile of the segment
-#             path with the first of SEG_LENS on the develop set's SEG_PROFILE rows
+#   seg       forward of ours on SEG_SHAPES for each of SEG_LENS (default "auto off 1024
+#             2048 4096": the backend's choice, never split, forced lengths; issue 6),
+#             then, if SEG_PROFILE is set, the kernel profile of the segment path with
+#             SEG_PROFILE_LEN on those develop-set rows
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes every shape, each
 #             config timed FLA_TUNE_REP_MS, default 20 ms, instead of Triton's 100)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
@@ -26,7 +27,9 @@
 set -uo pipefail
 source .offline-gpu/activate.sh .offline-gpu
 export TILELANG_PRINT_ON_COMPILATION=0
-OUT=${OUT:-/tmp/out}; R="$OUT/r"; mkdir -p "$R"
+# the tables go to a scratch folder and come back as one archive (the device returns at
+# most 8 files, so they must not lie under $OUT one by one)
+OUT=${OUT:-/tmp/out}; R=$(mktemp -d); mkdir -p "$OUT"
 STAGES=${STAGES:-"tests tune bwd"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -69,16 +72,17 @@ if has profile; then
     --shapes "${PROFILE_SHAPES:-16/16@*}" --out "$R" > "$R/profile.txt" 2>&1
 fi
 if has seg; then
-  for len in none ${SEG_LENS:-1024 2048 4096}; do
-    extra=(); [ "$len" != none ] && extra=(--ours-segment-len "$len")
+  for len in ${SEG_LENS:-auto off 1024 2048 4096}; do
+    extra=(); [ "$len" != auto ] && extra=(--ours-segment-len "$len")
     timeout 100 python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
       --tag "H200-seg-$len" --deadline-s 85 "${extra[@]}" \
-      --shapes "${SEG_SHAPES:-2/8@1x32768,4/16@1x32768,16/16@1x32768}" > "$R/seg-$len.txt" 2>&1
+      --shapes "${SEG_SHAPES:-2/8@1x32768,4/16@1x32768,16/16@1x32768,2/8@1x8192}" > "$R/seg-$len.txt" 2>&1
   done
-  first=$(set -- ${SEG_LENS:-1024 2048 4096}; echo "$1")
-  timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 --skip-bwd \
-    --shapes "${SEG_PROFILE:-4/4@*}" --ours-segment-len "$first" --out "$R/seg-profile" \
-    > "$R/seg-profile.txt" 2>&1
+  if [ -n "${SEG_PROFILE:-}" ]; then   # e.g. SEG_PROFILE="4/4@*" SEG_PROFILE_LEN=2048
+    timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
+      --skip-bwd --shapes "$SEG_PROFILE" --ours-segment-len "${SEG_PROFILE_LEN:-2048}" \
+      --out "$R/seg-profile" > "$R/seg-profile.txt" 2>&1
+  fi
 fi
 if has ncu; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

@@ -136,7 +136,8 @@ def _ptxas_report(src: str, tmp_path) -> str:
     return out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("kernel", ["fwd_t", "prepare_blocked", "bwd_dh", "bwd_intra"])
+@pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "prepare_blocked", "bwd_dh",
+                                    "bwd_intra"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
     ("wgmma.mma_async instructions are serialized"), which makes every 16-deep step wait
@@ -147,10 +148,12 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
+    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
     from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_blocked_kernel
 
     builder, args = {
         "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, False)),
+        "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, False, False)),
         "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),

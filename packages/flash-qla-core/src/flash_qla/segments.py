@@ -92,23 +92,34 @@ def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
     """Segment start states ``[Nseg, Hv, K, V]`` and sequence final states ``[N, ...]``.
 
     ``S_in(first[n]) = h0[n]``; ``S_in(s + 1) = M(s) S_in(s) + L(s)`` within a sequence.
-    One batched step per segment position, over the sequences that still have one.
+    The segments sit on a grid ``[J, N]`` (position j of sequence n; J = the most
+    segments of any sequence), the slots past a sequence's end padded with M = I,
+    L = 0, so each position is one batched ``baddbmm`` over every sequence and head:
+    J launches in all, the host work independent of N.
     """
+    Nseg, Hv, K, V = L.shape
     N = len(first) - 1
-    state = (L.new_zeros(N, *L.shape[1:]) if initial_state is None
-             else initial_state.to(L.dtype).clone())                    # [N,Hv,K,V]
-    S_in = torch.empty_like(L)                                           # [Nseg,Hv,K,V]
     counts = [first[n + 1] - first[n] for n in range(N)]
-    steps = [[n for n in range(N) if counts[n] > j] for j in range(max(counts, default=0))]
-    pairs = torch.tensor([(n, first[n] + j) for j, seqs in enumerate(steps) for n in seqs],
-                         dtype=torch.long).reshape(-1, 2).to(L.device)  # one host->device copy
-    start = 0
-    for seqs in steps:
-        idx_n, idx_s = pairs[start:start + len(seqs)].unbind(1)         # [a], [a]
-        start += len(seqs)
-        S_in[idx_s] = state[idx_n]
-        state[idx_n] = M[idx_s] @ state[idx_n] + L[idx_s]               # [a,Hv,K,V]
-    return S_in, state
+    J = max(counts, default=0)
+    # grid slot (j, n) -> segment first[n] + j, or Nseg (the padding M = I, L = 0)
+    slot = torch.tensor([[first[n] + j if j < counts[n] else Nseg for n in range(N)]
+                         for j in range(J)], dtype=torch.long).reshape(J, N)
+    seg_j = torch.tensor([j for n in range(N) for j in range(counts[n])], dtype=torch.long)
+    seg_n = torch.tensor([n for n in range(N) for _ in range(counts[n])], dtype=torch.long)
+    slot, seg_j, seg_n, ends = (x.to(L.device) for x in (
+        slot, seg_j, seg_n, torch.tensor(counts, dtype=torch.long)))
+    eye = torch.eye(K, dtype=M.dtype, device=M.device).expand(1, Hv, K, K)
+    M_grid = torch.cat([M, eye])[slot].reshape(J, N * Hv, K, K)             # [J,N*Hv,K,K]
+    L_grid = torch.cat([L, L.new_zeros(1, Hv, K, V)])[slot].reshape(J, N * Hv, K, V)
+    S = L.new_empty(J + 1, N, Hv, K, V)                   # S[j, n] = S_in of position j
+    if initial_state is None:
+        S[0].zero_()
+    else:
+        S[0].copy_(initial_state)
+    flat = S.view(J + 1, N * Hv, K, V)
+    for j in range(J):
+        torch.baddbmm(L_grid[j], M_grid[j], flat[j], out=flat[j + 1])     # [N*Hv,K,V]
+    return S[seg_j, seg_n], S[ends, torch.arange(N, device=L.device)]
 
 
 def segmented_fwd(fwd, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,

@@ -23,10 +23,18 @@ Q K^T) is left on the state chain, and the two state warpgroups never synchronis
 each other. TileLang's automatic synchronisation is off for this kernel: it would put
 CTA-wide barriers between the role blocks and serialise them.
 
-Status (docs/perf-notes.md): verified on an H200 (2026-11-30: test_transposed_kernel_
-matches_recurrence, 17 passed); 4.8-5.0 us per chunk for the whole state (chunk_fwd_t:
-5.8; the two-slot version with synchronous aux loads: 7.5; the state side alone: 3.8).
-The default transposed forward (``traits.FWD_AUX_WARPGROUP``).
+Registers: setmaxnreg gives the state warpgroups 208 and the aux one 88 (at the plain
+168, ptxas serialised every WGMMA k-step). The aux's mask pass runs in two loops, the
+gate factors into registers first and the P / Ag stores after, so the few gate values
+each thread needs are loaded once, not after every store.
+
+Status (docs/perf-notes.md, "v5"): verified on an H200 (2026-11-30, test_transposed_
+kernel_matches_recurrence: 17 passed); 3.7-4.0 us per chunk for the whole state
+(tune_chunk_fwd.py, 16/16 4x8192 and 16/32 8x4096; the version without setmaxnreg: 4.9-
+5.1 in the same call; chunk_fwd_t: 5.8). The first setmaxnreg version branched per
+element in the mask pass (32 divergent branches per chunk) and was 2.4% slower than
+the plain one; computing exp2 for every element and selecting fixed it. The default
+transposed forward (``traits.FWD_AUX_WARPGROUP``).
 """
 
 import tilelang
@@ -39,6 +47,14 @@ ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS ope
 #: Shared-memory slots: the state works on chunk c - 1 while the aux warpgroup prepares
 #: chunk c and chunk c + 1's tiles are in flight.
 SLOTS = 3
+#: setmaxnreg budgets. They move registers within the CTA's launch allocation (384
+#: threads x 168, ptxas's bound for 384 threads), so 256 x STATE_REGS + 128 x AUX_REGS
+#: must not exceed 64,512: an increase that the decreases cannot cover blocks forever
+#: (the hang of the first version, 208 / 96, asked for 1,024 registers more). At 168
+#: the state warpgroups' WGMMAs were serialised by ptxas (C7512, "insufficient register
+#: resources"): each 16-deep step waited for the previous one.
+STATE_REGS, AUX_REGS = 208, 88
+assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
 #: Named barrier of the aux warpgroup (0 is __syncthreads'; TileLang's own use 3 and up).
 AUX_BARRIER = 1
 
@@ -93,7 +109,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             # aux-only
             gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
             beta_s = T.alloc_shared((C,), f32)
-            qk = T.alloc_fragment((C, C), f32)
+            qk = T.alloc_fragment((C, C), f32)               # Q K^T, then P
+            gb = T.alloc_fragment((C, C), f32)               # G diag(beta), masked
             gam_next = T.alloc_fragment((C,), f32)            # gates of the next chunk
             gam_last_next = T.alloc_fragment((C,), f32)
             beta_next = T.alloc_fragment((C,), f32)
@@ -118,9 +135,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             full = T.alloc_barrier([128] * SLOTS)
             empty = T.alloc_barrier([256] * SLOTS)
 
-            # No setmaxnreg: every role fits the 168 registers of a 384-thread CTA (ptxas:
-            # no spills), and a role lowered below what its code uses would fault or hang.
             with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
+                T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
                     load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, bos, hk, h, 0)
                     fetch_gates(g_cumsum, beta, h, bos, last, gam_next, gam_last_next,
@@ -156,17 +172,26 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     T.sync_threads(AUX_BARRIER, 128)
                     T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,
                            clear_accum=True)                                      # Q K^T
+                    # two passes: the gate factors into registers first (only shared
+                    # loads, so nvcc keeps each thread's few distinct gam / beta values
+                    # in registers instead of reloading them after every store), then
+                    # the stores of P and Ag
                     for i, j in T.Parallel(C, C):
                         live = (i >= j) & (i < a_rows)
-                        decay = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))
-                        ag_s[sa, i, j] = T.if_then_else(live, ag_s[sa, i, j] * decay * beta_s[j],
-                                                        0.0)
-                        p_s[sa, i, j] = T.if_then_else(live, qk[i, j] * decay, 0.0)
+                        e = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))   # no branch:
+                        decay = T.if_then_else(live, e, 0.0)          # exp2, then select
+                        qk[i, j] = qk[i, j] * decay                               # P
+                        gb[i, j] = decay * beta_s[j]
+                    for i, j in T.Parallel(C, C):                # (A's rows past the
+                        p_s[sa, i, j] = qk[i, j]                     # end are selected
+                        ag_s[sa, i, j] = T.if_then_else(             # away, not scaled)
+                            i < a_rows, ag_s[sa, i, j] * gb[i, j], 0.0)           # Ag
                     T.fence_proxy_async()            # generic stores -> WGMMA operand reads
                     T.barrier_arrive(full[sa])
                     T.sync_threads(AUX_BARRIER, 128)      # gam_s, beta_s read by all
 
             with T.ws(0, 1):                                  # state: chunk c from its slot
+                T.inc_max_nreg(STATE_REGS)
                 if has_initial_state:
                     for i, j in T.Parallel(V, K):
                         st[i, j] = initial_state[n, h, j, i]

@@ -48,9 +48,10 @@ FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 #: tiling. Per-chunk cost by kernel name (``forward.TRANSPOSED_KERNELS``), fitted on the
 #: H200 with ``tune_chunk_fwd.py --tilings t,ws,...``: ``chunk_fwd_t`` 5.7-6.0 us (three
 #: runs, 2026-11-30); ``chunk_fwd_ws`` (loads, gates, Q K^T, Ag, P on an aux warpgroup)
-#: 4.82-5.01 us on 16/32 8x4096, 2/8 and 16/64 at 1x32768 (2026-11-30, fourth session).
+#: 3.72-3.97 us on 16/16 4x8192, 16/32 8x4096, 2/8 1x2048 with setmaxnreg (2026-11-30,
+#: fifth session; 4.82-5.01 before it).
 FWD_TRANSPOSED = True
-FWD_CHUNK_US_TRANSPOSED = {"t": 5.8, "ws": 4.9}
+FWD_CHUNK_US_TRANSPOSED = {"t": 5.8, "ws": 3.85}
 #: Which transposed forward runs: ``chunk_fwd_ws`` (True; verified on the H200,
 #: 2026-11-30: its 17 tests and every forward test with it on by default) or
 #: ``chunk_fwd_t`` (False; verified earlier, kept as the simpler reference kernel).
@@ -73,13 +74,12 @@ PREPARE_US_PER_CHUNK_HEAD = 0.016
 #: Automatic segment parallelism (issue 6; ``forward.plan_segment_len``): the segment
 #: lengths tried, the cost of one step of the scan over segment positions and of the
 #: split's fixed work (host planning, index tensors), and the predicted gain a split
-#: must bring. SCAN_STEP_US and SEGMENT_FIXED_US are estimates, not yet fitted on the
-#: H200 (``tools/h200_session.sh`` stage ``seg`` measures them), so the automatic
-#: choice is off; ``segment_len=`` forces a split.
-SEGMENT_AUTO = False
+#: must bring. First estimates for the batched scan (one ``baddbmm`` per position),
+#: to be fitted from ``tools/h200_session.sh`` stage ``seg``.
+SEGMENT_AUTO = True
 SEGMENT_LENS = (1024, 2048, 4096, 8192)
-SEGMENT_SCAN_STEP_US = 30.0
-SEGMENT_FIXED_US = 100.0
+SEGMENT_SCAN_STEP_US = 15.0
+SEGMENT_FIXED_US = 200.0
 SEGMENT_MIN_GAIN = 0.15
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
