@@ -312,3 +312,23 @@ def test_automatic_split_matches_recurrence(monkeypatch):
     assert rel_l2(o, o_ref) < TOL[case.dtype]
     assert rel_l2(final, final_ref) < TOL[case.dtype]
     assert forward.plan_segment_len([b * 4096 for b in range(9)], 32, 128, 128, sms) is None
+
+
+def test_forced_split_inside_graph_capture_is_refused():
+    """segment_len under CUDA-graph capture: a ValueError naming it (the split's index
+    tensors are planned and staged on the host), and the automatic plan is not asked
+    there: the captured call replays bitwise like the eager one that never splits."""
+    inp = make_inputs(Case(1, 32768, 2, 8), seed=5)
+    eager, _ = flash_qla.chunk_gated_delta_rule(**inp, auto_cp=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    refused, graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        flash_qla.chunk_gated_delta_rule(**inp)                       # warm-up off-graph
+        with pytest.raises(ValueError, match="segment_len"), torch.cuda.graph(refused):
+            flash_qla.chunk_gated_delta_rule(**inp, segment_len=1024)
+        with torch.cuda.graph(graph):
+            captured, _ = flash_qla.chunk_gated_delta_rule(**inp)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -91,14 +91,15 @@ def test_transposed_kernel_only_when_on_and_cheaper(monkeypatch):
     assert not forward.use_transposed(8, 32, 64, 128, 132)          # K = 64: not served
 
 
-# Same-run forward rows on the H200 (benchmark/results/H200.md and call6/H200.md of
-# benchmark/results/H200-v4-2026-11-30, eager ms): shape -> (bounds, Hv, measured ms).
+# Same-run forward rows on the H200 (benchmark/results/H200-v5-2026-11-30/call2: H200.md,
+# and H200-seg-off.md for 2/8, never split; eager ms): shape -> (bounds, Hv, measured ms).
 MEASURED_FWD = {
-    "16/32 8x4096": ([b * 4096 for b in range(9)], 32, 0.901),
-    "16/64 2x16384": ([0, 16384, 32768], 64, 1.752),
-    "16/64 1x32768": ([0, 32768], 64, 2.983),
-    "16/16 4x8192": ([b * 8192 for b in range(5)], 16, 0.768),
-    "2/8 1x32768": ([0, 32768], 8, 2.479),
+    "16/32 8x4096": ([b * 4096 for b in range(9)], 32, 0.750),
+    "16/64 2x16384": ([0, 16384, 32768], 64, 1.485),
+    "16/64 1x32768": ([0, 32768], 64, 2.386),
+    "16/16 4x8192": ([b * 8192 for b in range(5)], 16, 0.614),
+    "2/8 1x32768": ([0, 32768], 8, 1.922),
+    "2/8 1x8192": ([0, 8192], 8, 0.506),
 }
 
 

@@ -66,12 +66,21 @@ def segment_bounds(bounds: list[int], segment_len: int) -> tuple[list[int], list
     return seg, first
 
 
+def _to_device(values: list[int], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A small host list on ``device`` without a stream synchronisation: staged in
+    pinned memory and copied asynchronously (a pageable copy would wait for the GPU and
+    serialise this path's host work with the kernels already queued)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _identity_columns(n: int, Hv: int, K: int, V: int, start: int, like: Tensor) -> Tensor:
-    """``[n, Hv, K, V]``: columns ``start .. start + V`` of the K x K identity."""
-    eye = torch.zeros(K, V, dtype=torch.float32, device=like.device)     # [K,V]
-    cols = torch.arange(start, min(start + V, K), device=like.device)
-    eye[cols, cols - start] = 1.0
-    return eye.expand(n, Hv, K, V).contiguous()
+    """``[n, Hv, K, V]``: columns ``start .. start + V`` of the K x K identity (zero
+    columns past K)."""
+    eye = torch.eye(K, K + V, dtype=torch.float32, device=like.device)   # [K,K+V]
+    return eye[:, start:start + V].expand(n, Hv, K, V).contiguous()
 
 
 def _transitions(fwd, q, k, v, g, beta, cu, cu_cpu, scale) -> Tensor:
@@ -101,13 +110,14 @@ def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
     N = len(first) - 1
     counts = [first[n + 1] - first[n] for n in range(N)]
     J = max(counts, default=0)
-    # grid slot (j, n) -> segment first[n] + j, or Nseg (the padding M = I, L = 0)
-    slot = torch.tensor([[first[n] + j if j < counts[n] else Nseg for n in range(N)]
-                         for j in range(J)], dtype=torch.long).reshape(J, N)
-    seg_j = torch.tensor([j for n in range(N) for j in range(counts[n])], dtype=torch.long)
-    seg_n = torch.tensor([n for n in range(N) for _ in range(counts[n])], dtype=torch.long)
-    slot, seg_j, seg_n, ends = (x.to(L.device) for x in (
-        slot, seg_j, seg_n, torch.tensor(counts, dtype=torch.long)))
+    # grid slot (j, n) -> segment first[n] + j, or Nseg (the padding M = I, L = 0); per
+    # segment its (j, n); per sequence its end position: one copy to the device
+    slot = [first[n] + j if j < counts[n] else Nseg for j in range(J) for n in range(N)]
+    seg_j = [j for n in range(N) for j in range(counts[n])]
+    seg_n = [n for n in range(N) for _ in range(counts[n])]
+    slot, seg_j, seg_n, ends = _to_device(slot + seg_j + seg_n + counts, L.device,
+                                          torch.long).split([J * N, Nseg, Nseg, N])
+    slot = slot.view(J, N)
     eye = torch.eye(K, dtype=M.dtype, device=M.device).expand(1, Hv, K, K)
     M_grid = torch.cat([M, eye])[slot].reshape(J, N * Hv, K, K)             # [J,N*Hv,K,K]
     L_grid = torch.cat([L, L.new_zeros(1, Hv, K, V)])[slot].reshape(J, N * Hv, K, V)
@@ -138,7 +148,7 @@ def segmented_fwd(fwd, q, k, v, g, beta, *, scale: float, initial_state: Tensor 
         return fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                    cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu,
                    output_final_state=output_final_state, output_h=output_h)
-    cu = torch.tensor(seg, dtype=torch.int32, device=q.device)           # [Nseg+1]
+    cu = _to_device(seg, q.device, torch.int32)                          # [Nseg+1]
     cu_cpu = torch.tensor(seg, dtype=torch.int32)
     common = dict(scale=scale, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     L = fwd(q, k, v, g, beta, initial_state=None, output_final_state=True, output_h=False,
@@ -155,7 +165,11 @@ def fwd_with_segments(fwd, q, k, v, g, beta, *, scale, initial_state, cu_seqlens
     """``Kernels.fwd`` (same arguments and returns) made segment-parallel; dense
     ``[B, T]`` inputs are run as B packed sequences. Reads ``cu_seqlens`` on the host
     (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host, so this
-    path cannot be captured in a CUDA graph."""
+    path cannot be captured in a CUDA graph (ValueError: its index tensors are staged
+    in host memory that a replay would read after it is reused)."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"segment_len: expected None inside CUDA-graph capture (the "
+                         f"segment split is planned on the host), got {segment_len}")
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
