@@ -39,17 +39,45 @@ def _inputs(lens, B, T, Hk, Hv, h0, gate, K=16, V=8):
     return q, k, v, g, beta, s0, bounds
 
 
+class _PreparedKernels:
+    """The torch backend plus ``fwd_prepared``. The raw gate is rebuilt from the g_cumsum
+    it is handed (chunk-local: g = its difference inside each chunk of the segments),
+    the A it is handed must equal the one ``fwd`` computes from that gate, and then the
+    torch ``fwd`` runs: a wrong g_cumsum or A fails the comparison with the unsplit
+    forward or this check."""
+
+    fwd = staticmethod(TORCH_KERNELS.fwd)
+
+    def __init__(self):
+        self.prepared_calls = 0
+
+    def fwd_prepared(self, q, k, v, g_cumsum, beta, A, *, cu_seqlens_cpu, **kw):
+        self.prepared_calls += 1
+        chunk_start = torch.zeros(q.shape[1], dtype=torch.bool)
+        for bos, eos in zip(cu_seqlens_cpu[:-1].tolist(), cu_seqlens_cpu[1:].tolist()):
+            chunk_start[bos:eos:64] = True                              # C = 64
+        prev = torch.cat([g_cumsum.new_zeros(1, 1, g_cumsum.shape[2]), g_cumsum[:, :-1]], 1)
+        g = g_cumsum - torch.where(chunk_start[None, :, None], 0.0, prev)  # [1,T,Hv]
+        out = self.fwd(q, k, v, g, beta, cu_seqlens_cpu=cu_seqlens_cpu, **kw)
+        assert torch.allclose(out[1], A, rtol=0, atol=1e-12)
+        return out[2:]
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["fwd", "fwd_prepared"])
 @pytest.mark.parametrize("spec", CASES.values(), ids=CASES.keys())
-def test_segmented_forward_equals_unsplit(spec):
+def test_segmented_forward_equals_unsplit(spec, prepared):
     lens, B, T, Hk, Hv, seg_len, h0, gate = spec
     q, k, v, g, beta, s0, bounds = _inputs(lens, B, T, Hk, Hv, h0, gate)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     cu = torch.tensor(bounds, dtype=torch.int32)
     ref = TORCH_KERNELS.fwd(*packed, scale=0.3, initial_state=s0, cu_seqlens=cu,
                             cu_seqlens_cpu=cu, output_final_state=True, output_h=True)
-    ours = segments.segmented_fwd(TORCH_KERNELS.fwd, *packed, scale=0.3, initial_state=s0,
+    kernels = _PreparedKernels() if prepared else TORCH_KERNELS
+    ours = segments.segmented_fwd(kernels, *packed, scale=0.3, initial_state=s0,
                                   bounds=bounds, output_final_state=True, output_h=True,
                                   segment_len=seg_len)
+    if prepared:                                   # transitions (K / V runs) + output
+        assert kernels.prepared_calls == -(-k.shape[-1] // v.shape[-1]) + 1
     for name, a, b in zip(("g_cumsum", "A", "o", "h", "final_state"), ours, ref):
         assert a.shape == b.shape, name
         assert rel_l2(a, b) < 1e-10, name
@@ -67,7 +95,7 @@ def test_segment_bounds_keep_empty_sequences_empty():
 
 def test_a_batch_without_tokens_is_not_split():
     q, k, v, g, beta, s0, _ = _inputs([0], 1, 4, 1, 2, True, "typical")
-    out = segments.segmented_fwd(TORCH_KERNELS.fwd, q, k, v, g, beta, scale=0.3,
+    out = segments.segmented_fwd(TORCH_KERNELS, q, k, v, g, beta, scale=0.3,
                                  initial_state=s0, bounds=[0, 0], output_final_state=True,
                                  output_h=False, segment_len=64)
     assert torch.count_nonzero(out[2]) == 0          # o: every token is padding

@@ -189,7 +189,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
                 cu_seqlens, cu_seqlens_cpu, kernels, segment_len):
         q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
         fwd = (kernels.fwd if segment_len is None
-               else functools.partial(fwd_with_segments, kernels.fwd, segment_len=segment_len))
+               else functools.partial(fwd_with_segments, kernels, segment_len=segment_len))
         g_cumsum, A, o, _, final_state = fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

@@ -59,6 +59,11 @@ class Kernels(Protocol):
         in q's dtype, dh0 fp32 ``[N,Hv,K,V]`` or None when initial_state is None.
         """
 
+    # Optional: ``fwd_prepared(q, k, v, g_cumsum, beta, A, *, scale, initial_state,
+    # cu_seqlens, cu_seqlens_cpu, output_final_state, output_h) -> (o, h, final_state)``:
+    # ``fwd`` without its prepare, from the g_cumsum and A that ``fwd`` returned for the
+    # same tokens and chunk boundaries (the segment split reuses them in its later passes;
+    # without it, every pass recomputes them).
     # Optional: ``plan_segment_len(bounds, Hv, K, V, device) -> int | None``, the
     # backend's automatic segment-parallelism choice from host sequence offsets
     # ``bounds`` ``[N + 1]`` (None: no split). Backends without it never split on their

@@ -8,7 +8,8 @@ start state (gdn-math.md, "Segment transition")::
     S_out(s) = M_seg(s) S_in(s) + L_seg(s)
 
 and three passes of the backend's own forward, each over all segments in parallel
-(the segments passed as packed sequences), give the exact result:
+(the segments passed as packed sequences; the prepare, gate cumsum and inverse, only in
+the first when the backend offers ``fwd_prepared``), give the exact result:
 
 1. ``L_seg``: every segment from a zero state (its final state);
 2. ``M_seg``: every segment with v = 0 from the identity (``[K, K]`` as the state,
@@ -83,16 +84,13 @@ def _identity_columns(n: int, Hv: int, K: int, V: int, start: int, like: Tensor)
     return eye[:, start:start + V].expand(n, Hv, K, V).contiguous()
 
 
-def _transitions(fwd, q, k, v, g, beta, cu, cu_cpu, scale) -> Tensor:
-    """``M_seg`` of every segment ``[Nseg, Hv, K, K]`` (pass 2)."""
-    n_seg, Hv, K, V = cu.numel() - 1, v.shape[2], q.shape[-1], v.shape[-1]
+def _transitions(recur, v: Tensor, n_seg: int, K: int) -> Tensor:
+    """``M_seg`` of every segment ``[Nseg, Hv, K, K]`` (pass 2): ``recur(v, h0)`` from
+    the identity's columns with v = 0, ``V`` columns per run."""
+    Hv, V = v.shape[2:]
     zero_v = torch.zeros_like(v)
-    cols = []
-    for start in range(0, K, V):
-        h0 = _identity_columns(n_seg, Hv, K, V, start, q)
-        cols.append(fwd(q, k, zero_v, g, beta, scale=scale, initial_state=h0, cu_seqlens=cu,
-                        cu_seqlens_cpu=cu_cpu, output_final_state=True,
-                        output_h=False)[4])                             # [Nseg,Hv,K,V]
+    cols = [recur(zero_v, _identity_columns(n_seg, Hv, K, V, start, v), True, False)[2]
+            for start in range(0, K, V)]                                 # [Nseg,Hv,K,V]
     return torch.cat(cols, dim=-1)[..., :K]                              # [Nseg,Hv,K,K]
 
 
@@ -132,10 +130,12 @@ def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
     return S[seg_j, seg_n], S[ends, torch.arange(N, device=L.device)]
 
 
-def segmented_fwd(fwd, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
+def segmented_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
                   bounds: list[int], output_final_state: bool, output_h: bool,
                   segment_len: int):
-    """``Kernels.fwd`` contract, computed segment-parallel with ``fwd`` (a ``Kernels.fwd``).
+    """``Kernels.fwd`` contract, computed segment-parallel with a backend's ``kernels``
+    (``fwd``, and ``fwd_prepared`` when the backend has it: the later passes then reuse
+    the first pass's g_cumsum and A instead of recomputing them).
 
     q, k ``[1, T, Hk, K]``; v ``[1, T, Hv, V]``; g, beta ``[1, T, Hv]``: packed
     sequences with host offsets ``bounds`` (``[N + 1]``; dense inputs are flattened by
@@ -145,24 +145,33 @@ def segmented_fwd(fwd, q, k, v, g, beta, *, scale: float, initial_state: Tensor 
     seg, first = segment_bounds(bounds, segment_len)
     if len(seg) == 1:                              # no sequence holds a token: no split
         cu = torch.tensor(bounds, dtype=torch.int32)
-        return fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                   cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu,
-                   output_final_state=output_final_state, output_h=output_h)
+        return kernels.fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu,
+                           output_final_state=output_final_state, output_h=output_h)
     cu = _to_device(seg, q.device, torch.int32)                          # [Nseg+1]
     cu_cpu = torch.tensor(seg, dtype=torch.int32)
     common = dict(scale=scale, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
-    L = fwd(q, k, v, g, beta, initial_state=None, output_final_state=True, output_h=False,
-            **common)[4]                                                 # [Nseg,Hv,K,V]
-    M = _transitions(fwd, q, k, v, g, beta, cu, cu_cpu, scale)           # [Nseg,Hv,K,K]
+    g_cumsum, A, _, _, L = kernels.fwd(q, k, v, g, beta, initial_state=None,
+                                       output_final_state=True, output_h=False,
+                                       **common)                         # L [Nseg,Hv,K,V]
+    prepared = getattr(kernels, "fwd_prepared", None)
+
+    def recur(v_, h0, final, h):                   # -> (o, h, final_state) of the segments
+        if prepared is not None:
+            return prepared(q, k, v_, g_cumsum, beta, A, initial_state=h0,
+                            output_final_state=final, output_h=h, **common)
+        return kernels.fwd(q, k, v_, g, beta, initial_state=h0, output_final_state=final,
+                           output_h=h, **common)[2:]
+
+    M = _transitions(recur, v, len(seg) - 1, q.shape[-1])                # [Nseg,Hv,K,K]
     S_in, final_state = _scan(M, L, first, initial_state)
-    g_cumsum, A, o, h, _ = fwd(q, k, v, g, beta, initial_state=S_in.contiguous(),
-                               output_final_state=False, output_h=output_h, **common)
+    o, h, _ = recur(v, S_in.contiguous(), False, output_h)
     return g_cumsum, A, o, h, (final_state if output_final_state else None)
 
 
-def fwd_with_segments(fwd, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
+def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
                       cu_seqlens_cpu, output_final_state, output_h, segment_len: int):
-    """``Kernels.fwd`` (same arguments and returns) made segment-parallel; dense
+    """``kernels.fwd`` (same arguments and returns) made segment-parallel; dense
     ``[B, T]`` inputs are run as B packed sequences. Reads ``cu_seqlens`` on the host
     (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host, so this
     path cannot be captured in a CUDA graph (ValueError: its index tensors are staged
@@ -174,7 +183,7 @@ def fwd_with_segments(fwd, q, k, v, g, beta, *, scale, initial_state, cu_seqlens
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     g_cumsum, A, o, h, final_state = segmented_fwd(
-        fwd, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
+        kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
         output_final_state=output_final_state, output_h=output_h, segment_len=segment_len)
     return (g_cumsum.reshape(B, T, *g_cumsum.shape[2:]), A.reshape(B, T, *A.shape[2:]),
             o.reshape(B, T, *o.shape[2:]),

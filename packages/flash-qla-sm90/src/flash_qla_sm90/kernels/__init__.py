@@ -27,6 +27,14 @@ class Sm90Kernels:
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                          output_final_state=output_final_state, output_h=output_h)
 
+    def fwd_prepared(self, q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
+                     cu_seqlens_cpu, output_final_state, output_h):
+        from .forward import fused_fwd
+
+        return fused_fwd(q, k, v, g_cumsum, beta, A, scale=scale, initial_state=initial_state,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         output_final_state=output_final_state, output_h=output_h)
+
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
             cu_seqlens_cpu):
         from .backward import chunk_bwd

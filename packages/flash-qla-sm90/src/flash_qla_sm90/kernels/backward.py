@@ -19,9 +19,9 @@ from . import traits
 from .chunk_bwd_dh import chunk_bwd_dh_kernel
 from .forward import (
     _DTYPE_NAMES,
-    _fused,
     _packed,
     _sm_count,
+    fused_fwd,
     fused_tiling,
     layout_for,
     total_chunks,
@@ -32,13 +32,10 @@ def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens
                  cu_seqlens_cpu):
     """Chunk-start states h ``[NT, Hv, K, V]`` fp32 from the forward's saved g_cumsum and
     A (the fused kernel alone; o is recomputed and dropped)."""
-    layout = layout_for(q, cu_seqlens)
-    _, _, h = _fused(
-        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
-        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
-        initial_state=initial_state, alloc=torch.empty,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu))
-    return h
+    h = fused_fwd(q, k, v, g_cumsum, beta, A, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                  output_final_state=False, output_h=True)[1]
+    return h.reshape(-1, *h.shape[2:])
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu):

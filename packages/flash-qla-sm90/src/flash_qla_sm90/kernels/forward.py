@@ -216,6 +216,24 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     return o, final_state, (h if store_h else None)
 
 
+def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
+              cu_seqlens_cpu, output_final_state, output_h):
+    """The fused kernel alone, from a prepare's outputs (``Kernels.fwd_prepared``):
+    g_cumsum ``[B,T,Hv]`` fp32 and A ``[B,T,Hv,C]`` as :func:`chunk_fwd` returned them
+    for the same tokens and chunk boundaries. Returns (o, h, final_state)."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2:]
+    layout = layout_for(q, cu_seqlens)
+    o, final_state, h = _fused(
+        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
+        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
+        initial_state=initial_state,
+        alloc=torch.zeros if _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, B * T) else torch.empty,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h else None)
+    return (o.view(B, T, Hv, V), h.view(B, -1, Hv, K, V) if output_h else None,
+            final_state if output_final_state else None)
+
+
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               output_final_state, output_h):
     """Forward; returns (g_cumsum, A, o, h, final_state) (see Kernels.fwd)."""
