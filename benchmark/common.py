@@ -902,7 +902,7 @@ def task_profile(spec: dict) -> dict:
                 fn()
             sync(dev)
         table: dict[str, dict] = {}
-        if dev == "cpu":  # no kernels: aten ops by self CPU time
+        if dev == "cpu" or spec.get("host"):  # aten ops by self CPU time
             for e in prof.key_averages():
                 if e.self_cpu_time_total > 0:
                     table[e.key] = {"us": e.self_cpu_time_total / iters, "calls": e.count / iters}

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the backend's automatic choice",
     )
     p.add_argument(
+        "--host",
+        action="store_true",
+        help="list aten ops by self CPU time (host work per call) instead of kernels by "
+        "device time: where a launch-bound path spends its host time",
+    )
+    p.add_argument(
         "--fla-tune-rep-ms",
         type=float,
         default=None,
@@ -142,7 +148,7 @@ def total_us(table: dict | None) -> float | None:
 def render(meta: dict, results: list[dict], args, tag: str) -> str:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{args.set if args.device == 'cuda' else 'cpu'}-{tag}")
-    on_gpu = args.device == "cuda"
+    on_gpu = args.device == "cuda" and not args.host       # kernels by device time
     unit, units = ("kernel", "kernels") if on_gpu else ("aten op (self CPU time)", "aten ops")
     # CSV: one row per kernel
     with open(stem + ".csv", "w", newline="") as f:
@@ -227,7 +233,8 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
         f"- torch {meta.get('torch')}, triton {meta.get('triton')}; versions: "
         + ", ".join(f"{C.LABELS.get(k, k)} {v}" for k, v in meta.get("versions", {}).items()),
         f"- per call: {unit} time summed over {args.iters} profiled calls after "
-        f"{3 if on_gpu else 1} warm-up call(s), divided by {args.iters}; gate '{args.gate}', "
+        f"{3 if args.device == 'cuda' else 1} warm-up call(s), divided by {args.iters}; "
+        f"gate '{args.gate}', "
         f"seed {args.seed}; inputs as in the benchmark (K = V = 128, bf16, initial state in, "
         "final state out)",
         (
@@ -235,6 +242,9 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
             "(gdn-math.md cost model); '% of floor' = floor / our summed kernel time"
         )
         if on_gpu
+        else "- --host: the host's work per call (aten ops; the gaps between them are Python "
+        "and kernel launches)"
+        if args.host
         else "- CPU demo: shows the pipeline, not performance",
         "",
         "## Summary (us per call)",
@@ -317,6 +327,7 @@ def main(argv=None) -> int:
             "bwd": not args.skip_bwd,
             "ours_backend": args.ours_backend,
             "ours_segment_len": args.ours_segment_len,
+            "host": args.host,
             "fla_tune_rep_ms": args.fla_tune_rep_ms,
             "capability": info.get("capability"),
         }

@@ -15,7 +15,7 @@
 #   seg       forward of ours on SEG_SHAPES for each of SEG_LENS (default "auto off 1024
 #             2048 4096": the backend's choice, never split, forced lengths; issue 6),
 #             then, if SEG_PROFILE is set, the kernel profile of the segment path with
-#             SEG_PROFILE_LEN on those develop-set rows
+#             SEG_PROFILE_LEN on those develop-set rows (SEG_PROFILE_HOST=1: host ops)
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes every shape, each
 #             config timed FLA_TUNE_REP_MS, default 20 ms, instead of Triton's 100)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
@@ -78,9 +78,10 @@ if has seg; then
       --tag "H200-seg-$len" --deadline-s 85 "${extra[@]}" \
       --shapes "${SEG_SHAPES:-2/8@1x32768,4/16@1x32768,16/16@1x32768,2/8@1x8192}" > "$R/seg-$len.txt" 2>&1
   done
-  if [ -n "${SEG_PROFILE:-}" ]; then   # e.g. SEG_PROFILE="4/4@*" SEG_PROFILE_LEN=2048
+  if [ -n "${SEG_PROFILE:-}" ]; then   # e.g. SEG_PROFILE="4/4@*" SEG_PROFILE_LEN=4096
     timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
-      --skip-bwd --shapes "$SEG_PROFILE" --ours-segment-len "${SEG_PROFILE_LEN:-2048}" \
+      --skip-bwd --shapes "$SEG_PROFILE" --ours-segment-len "${SEG_PROFILE_LEN:-4096}" \
+      ${SEG_PROFILE_HOST:+--host} \
       --out "$R/seg-profile" > "$R/seg-profile.txt" 2>&1
   fi
 fi

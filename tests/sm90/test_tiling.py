@@ -114,7 +114,7 @@ def test_forward_cost_model_reproduces_the_measured_rows(shape):
     assert abs(predicted_fwd_us(lens, Hv, 128, 128, 132) / 1e3 - ms) < 0.08 * ms
 
 
-def test_segment_plan_is_off_until_fitted(monkeypatch):
+def test_segment_plan_can_be_switched_off(monkeypatch):
     from flash_qla_sm90.kernels import forward, traits
 
     monkeypatch.setattr(traits, "SEGMENT_AUTO", False)
@@ -130,10 +130,10 @@ def test_segment_plan_splits_only_few_head_long_sequences(monkeypatch):
     monkeypatch.setattr(traits, "SEGMENT_AUTO", True)
     seg = forward.plan_segment_len([0, 32768], 8, 128, 128, 132)
     assert seg in traits.SEGMENT_LENS
-    pieces = [seg] * (32768 // seg)
-    split_us = (3 * forward.predicted_fwd_us(pieces, 8, 128, 128, 132)
+    pieces = [seg // 64] * (32768 // seg)                         # chunks per segment
+    split_us = (3 * forward._fused_us(pieces, 8, 128, 128, 132) + forward._prepare_us(pieces, 8)
                 + (32768 // seg) * traits.SEGMENT_SCAN_STEP_US + traits.SEGMENT_FIXED_US)
     assert split_us < forward.predicted_fwd_us([32768], 8, 128, 128, 132)
     for bounds, Hv in (([b * 4096 for b in range(9)], 32), ([0, 32768], 64),
-                       ([0, 1000], 8), ([0, 0], 8), ([0], 8)):
+                       ([0, 1000], 8), ([0, 8192], 8), ([0, 0], 8), ([0], 8)):
         assert forward.plan_segment_len(bounds, Hv, 128, 128, 132) is None, (bounds, Hv)

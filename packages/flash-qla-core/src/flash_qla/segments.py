@@ -23,6 +23,9 @@ of the backend (its states pass through its GEMM dtype).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -94,7 +97,39 @@ def _transitions(recur, v: Tensor, n_seg: int, K: int) -> Tensor:
     return torch.cat(cols, dim=-1)[..., :K]                              # [Nseg,Hv,K,K]
 
 
-def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
+@dataclass(frozen=True)
+class _Plan:
+    """A split of packed sequences, with the index tensors its passes and scan read."""
+    N: int                  # sequences
+    num_segments: int       # Nseg
+    J: int                  # most segments of one sequence (scan positions)
+    cu: Tensor              # [Nseg+1] int32 on the device: segment offsets
+    cu_cpu: Tensor          # the same on the host
+    slot: Tensor            # [J, N] long: segment at position j of sequence n, or Nseg
+    seg_j: Tensor           # [Nseg] long: each segment's position ...
+    seg_n: Tensor           # [Nseg] long: ... and sequence
+    ends: Tensor            # [N] long: segments per sequence
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _Plan:
+    """The split of sequences ``bounds`` (cached: repeated calls with the same lengths,
+    a training loop over fixed packing or a benchmark, build and copy nothing)."""
+    seg, first = segment_bounds(list(bounds), segment_len)
+    N, Nseg = len(first) - 1, len(seg) - 1
+    counts = [first[n + 1] - first[n] for n in range(N)]
+    J = max(counts, default=0)
+    slot = [first[n] + j if j < counts[n] else Nseg for j in range(J) for n in range(N)]
+    seg_j = [j for n in range(N) for j in range(counts[n])]
+    seg_n = [n for n in range(N) for _ in range(counts[n])]
+    index = _to_device(slot + seg_j + seg_n + counts, device, torch.long)
+    slot_t, seg_j_t, seg_n_t, ends = index.split([J * N, Nseg, Nseg, N])
+    return _Plan(N, Nseg, J, _to_device(seg, device, torch.int32),
+                 torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), seg_j_t, seg_n_t,
+                 ends)
+
+
+def _scan(M: Tensor, L: Tensor, plan: _Plan, initial_state: Tensor | None,
           ) -> tuple[Tensor, Tensor]:
     """Segment start states ``[Nseg, Hv, K, V]`` and sequence final states ``[N, ...]``.
 
@@ -104,21 +139,11 @@ def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
     L = 0, so each position is one batched ``baddbmm`` over every sequence and head:
     J launches in all, the host work independent of N.
     """
-    Nseg, Hv, K, V = L.shape
-    N = len(first) - 1
-    counts = [first[n + 1] - first[n] for n in range(N)]
-    J = max(counts, default=0)
-    # grid slot (j, n) -> segment first[n] + j, or Nseg (the padding M = I, L = 0); per
-    # segment its (j, n); per sequence its end position: one copy to the device
-    slot = [first[n] + j if j < counts[n] else Nseg for j in range(J) for n in range(N)]
-    seg_j = [j for n in range(N) for j in range(counts[n])]
-    seg_n = [n for n in range(N) for _ in range(counts[n])]
-    slot, seg_j, seg_n, ends = _to_device(slot + seg_j + seg_n + counts, L.device,
-                                          torch.long).split([J * N, Nseg, Nseg, N])
-    slot = slot.view(J, N)
+    _, Hv, K, V = L.shape
+    N, J = plan.N, plan.J
     eye = torch.eye(K, dtype=M.dtype, device=M.device).expand(1, Hv, K, K)
-    M_grid = torch.cat([M, eye])[slot].reshape(J, N * Hv, K, K)             # [J,N*Hv,K,K]
-    L_grid = torch.cat([L, L.new_zeros(1, Hv, K, V)])[slot].reshape(J, N * Hv, K, V)
+    M_grid = torch.cat([M, eye])[plan.slot].reshape(J, N * Hv, K, K)        # [J,N*Hv,K,K]
+    L_grid = torch.cat([L, L.new_zeros(1, Hv, K, V)])[plan.slot].reshape(J, N * Hv, K, V)
     S = L.new_empty(J + 1, N, Hv, K, V)                   # S[j, n] = S_in of position j
     if initial_state is None:
         S[0].zero_()
@@ -127,7 +152,7 @@ def _scan(M: Tensor, L: Tensor, first: list[int], initial_state: Tensor | None,
     flat = S.view(J + 1, N * Hv, K, V)
     for j in range(J):
         torch.baddbmm(L_grid[j], M_grid[j], flat[j], out=flat[j + 1])     # [N*Hv,K,V]
-    return S[seg_j, seg_n], S[ends, torch.arange(N, device=L.device)]
+    return S[plan.seg_j, plan.seg_n], S[plan.ends, torch.arange(N, device=L.device)]
 
 
 def segmented_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
@@ -142,15 +167,13 @@ def segmented_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Ten
     the caller). ``segment_len`` must be a positive multiple of the backend's chunk
     size. Returns ``(g_cumsum, A, o, h, final_state)`` as the unsplit ``fwd`` would.
     """
-    seg, first = segment_bounds(bounds, segment_len)
-    if len(seg) == 1:                              # no sequence holds a token: no split
+    if bounds[-1] == bounds[0]:                    # no sequence holds a token: no split
         cu = torch.tensor(bounds, dtype=torch.int32)
         return kernels.fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                            cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu,
                            output_final_state=output_final_state, output_h=output_h)
-    cu = _to_device(seg, q.device, torch.int32)                          # [Nseg+1]
-    cu_cpu = torch.tensor(seg, dtype=torch.int32)
-    common = dict(scale=scale, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    plan = _plan(tuple(bounds), segment_len, q.device)
+    common = dict(scale=scale, cu_seqlens=plan.cu, cu_seqlens_cpu=plan.cu_cpu)
     g_cumsum, A, _, _, L = kernels.fwd(q, k, v, g, beta, initial_state=None,
                                        output_final_state=True, output_h=False,
                                        **common)                         # L [Nseg,Hv,K,V]
@@ -163,8 +186,8 @@ def segmented_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Ten
         return kernels.fwd(q, k, v_, g, beta, initial_state=h0, output_final_state=final,
                            output_h=h, **common)[2:]
 
-    M = _transitions(recur, v, len(seg) - 1, q.shape[-1])                # [Nseg,Hv,K,K]
-    S_in, final_state = _scan(M, L, first, initial_state)
+    M = _transitions(recur, v, plan.num_segments, q.shape[-1])           # [Nseg,Hv,K,K]
+    S_in, final_state = _scan(M, L, plan, initial_state)
     o, h, _ = recur(v, S_in.contiguous(), False, output_h)
     return g_cumsum, A, o, h, (final_state if output_final_state else None)
 

@@ -147,6 +147,16 @@ def use_transposed(num_seqs: int, Hv: int, K: int, V: int, sm_count: int) -> boo
     return fused_plan(num_seqs, Hv, K, V, sm_count)[0] in TRANSPOSED_KERNELS
 
 
+def _fused_us(chunks: list[int], Hv: int, K: int, V: int, sm_count: int) -> float:
+    """Predicted fused-kernel time, us, of sequences of ``chunks`` chunks (all > 0)."""
+    return max(chunks) * fused_plan(len(chunks), Hv, K, V, sm_count)[1]
+
+
+def _prepare_us(chunks: list[int], Hv: int) -> float:
+    """Predicted prepare time, us: ``traits.PREPARE_US_PER_CHUNK_HEAD`` per (chunk, head)."""
+    return sum(chunks) * Hv * traits.PREPARE_US_PER_CHUNK_HEAD
+
+
 def predicted_fwd_us(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> float:
     """Predicted forward time (prepare + fused kernel), microseconds, of packed sequences
     of ``lens`` tokens: :func:`fused_plan`'s cost at the longest sequence's chunk count,
@@ -154,8 +164,7 @@ def predicted_fwd_us(lens: list[int], Hv: int, K: int, V: int, sm_count: int) ->
     chunks = [-(-n // CHUNK) for n in lens if n > 0]                 # per sequence
     if not chunks:
         return 0.0
-    per_chunk = fused_plan(len(chunks), Hv, K, V, sm_count)[1]
-    return max(chunks) * per_chunk + sum(chunks) * Hv * traits.PREPARE_US_PER_CHUNK_HEAD
+    return _fused_us(chunks, Hv, K, V, sm_count) + _prepare_us(chunks, Hv)
 
 
 def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
@@ -165,9 +174,10 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
     least ``traits.SEGMENT_MIN_GAIN``, or None (no split; also whenever
     ``traits.SEGMENT_AUTO`` is off). ``bounds``: host sequence offsets ``[N + 1]``.
 
-    The split costs three forwards over all segments (``flash_qla.segments``: local
-    states, transitions, output), one scan step per segment position of the longest
-    sequence (``traits.SEGMENT_SCAN_STEP_US``) and ``traits.SEGMENT_FIXED_US``.
+    The split costs one prepare and three fused passes over all segments
+    (``flash_qla.segments`` with ``fwd_prepared``: local states, transitions, output),
+    one scan step per segment position of the longest sequence
+    (``traits.SEGMENT_SCAN_STEP_US``) and ``traits.SEGMENT_FIXED_US``.
     """
     if not traits.SEGMENT_AUTO:
         return None
@@ -175,11 +185,11 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
     best = None
     best_us = predicted_fwd_us(lens, Hv, K, V, sm_count) * (1 - traits.SEGMENT_MIN_GAIN)
     for seg in traits.SEGMENT_LENS:
-        pieces = [min(seg, n - s) for n in lens for s in range(0, n, seg)]
+        pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
         steps = max(-(-n // seg) for n in lens) if lens else 0
         if steps < 2:
             continue                                  # no sequence is split at this length
-        us = (3 * predicted_fwd_us(pieces, Hv, K, V, sm_count)
+        us = (3 * _fused_us(pieces, Hv, K, V, sm_count) + _prepare_us(pieces, Hv)
               + steps * traits.SEGMENT_SCAN_STEP_US + traits.SEGMENT_FIXED_US)
         if us < best_us:
             best, best_us = seg, us

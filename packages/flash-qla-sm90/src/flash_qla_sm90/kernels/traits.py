@@ -73,14 +73,19 @@ PREPARE_US_PER_CHUNK_HEAD = 0.016
 
 #: Automatic segment parallelism (issue 6; ``forward.plan_segment_len``): the segment
 #: lengths tried, the cost of one step of the scan over segment positions and of the
-#: split's fixed work (host planning, index tensors), and the predicted gain a split
-#: must bring. First estimates for the batched scan (one ``baddbmm`` per position),
-#: to be fitted from ``tools/h200_session.sh`` stage ``seg``.
+#: split's fixed work (host planning, index tensors, launches), and the predicted gain a
+#: split must bring. Step and fixed cost: least squares over the 12 split rows of
+#: ``tools/h200_session.sh`` stage ``seg`` (H200, 2026-11-30, fifth session, call 3: 2/8,
+#: 4/16, 16/16 at 1x32768 and 2/8 at 1x8192, segments of 1024 / 2048 / 4096), residuals
+#: up to +-0.76 ms (the split path is host-bound and its times scatter). It then picks
+#: 4096 for one long sequence at few heads (measured 14-17% faster than unsplit in
+#: that call) and nothing at 1x8192 or on grids that fill the GPU. 1024 and 2048 are
+#: not tried: in that call they lost to 4096 on every shape, and to no split on most.
 SEGMENT_AUTO = True
-SEGMENT_LENS = (1024, 2048, 4096, 8192)
-SEGMENT_SCAN_STEP_US = 15.0
-SEGMENT_FIXED_US = 200.0
-SEGMENT_MIN_GAIN = 0.15
+SEGMENT_LENS = (4096, 8192)
+SEGMENT_SCAN_STEP_US = 45.0
+SEGMENT_FIXED_US = 730.0
+SEGMENT_MIN_GAIN = 0.05
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
