@@ -283,14 +283,17 @@ def chunk_gated_delta_rule(
             the backend may split long sequences on its own (exact, as
             ``segment_len``) when its cost model predicts a gain; it is asked only when
             the lengths are on the host (dense input or ``cu_seqlens_cpu``) and no CUDA
-            graph is being captured. sm90 keeps this off until the model is fitted on
-            the H200 (``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``). False: never.
+            graph is being captured. sm90 splits one long sequence at few heads into
+            segments of 4096 (cost model fitted on the H200;
+            ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``). False: never.
         segment_len: tokens per segment (a positive multiple of 64) of the exact
             segment-parallel forward (:mod:`flash_qla.segments`): every sequence is
             split into segments computed in parallel, then stitched by a short scan over
-            segment transitions. None (default): no split. The backward is unchanged.
+            segment transitions. None (default): no split (unless ``auto_cp``). The
+            backward is unchanged. A ValueError inside CUDA-graph capture (the split is
+            planned on the host).
         force_intra_cp: FlashQLA's switch: True splits with ``segment_len`` or
-            ``DEFAULT_SEGMENT_LEN`` (1024); False with a ``segment_len`` is an error.
+            ``DEFAULT_SEGMENT_LEN`` (4096); False with a ``segment_len`` is an error.
         enable_fwd_cp_cache, cp_context: accepted for compatibility; any value other
             than None/False raises NotImplementedError.
         backend: force a backend by name, e.g. ``"torch"`` (the env variable

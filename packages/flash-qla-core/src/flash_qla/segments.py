@@ -32,8 +32,10 @@ from torch import Tensor
 __all__ = ["DEFAULT_SEGMENT_LEN", "fwd_with_segments", "host_bounds", "segment_bounds",
            "segmented_fwd"]
 
-#: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``.
-DEFAULT_SEGMENT_LEN = 1024
+#: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``
+#: (the fastest of 1024 / 2048 / 4096 on every few-head shape measured on the H200,
+#: docs/perf-notes.md "v5").
+DEFAULT_SEGMENT_LEN = 4096
 
 
 def host_bounds(B: int, T: int, cu_seqlens: Tensor | None,
