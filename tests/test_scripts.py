@@ -176,3 +176,16 @@ def test_tune_without_gpu_one_clear_line_and_exit_2():
     assert p.returncode == 2, p.stdout + p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "CUDA GPU" in lines[0] and "flash-qla[sm90]" in lines[0], lines
+
+
+def test_benchmark_install_hint_matches_the_core():
+    from flash_qla import dispatch
+
+    assert C.INSTALL_HINT == dispatch.install_hint((9, 0))
+
+
+def test_segment_len_option():
+    assert C.segment_len_arg("4096") == 4096
+    assert C.segment_len_arg("off") == "off"
+    with pytest.raises(ValueError, match="'off'"):
+        C.segment_len_arg("auto")

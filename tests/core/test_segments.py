@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import functools
 
 import pytest
 import torch
@@ -100,3 +101,18 @@ def test_a_batch_without_tokens_is_not_split():
                                  output_h=False, segment_len=64)
     assert torch.count_nonzero(out[2]) == 0          # o: every token is padding
     assert torch.equal(out[4], s0)
+
+
+def test_repeated_lengths_reuse_the_plan():
+    """The same lengths and segment_len again: the split plan (offsets, scan indices)
+    comes from the cache, and the result is identical."""
+    q, k, v, g, beta, s0, bounds = _inputs([200, 0, 130], 1, 330, 1, 2, True, "typical")
+    run = functools.partial(segments.segmented_fwd, TORCH_KERNELS, q, k, v, g, beta,
+                            scale=0.3, initial_state=s0, bounds=bounds,
+                            output_final_state=True, output_h=False, segment_len=64)
+    first = run()
+    hits = segments._plan.cache_info().hits
+    again = run()
+    assert segments._plan.cache_info().hits == hits + 1
+    for a, b in zip(first, again):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -236,6 +236,12 @@ def clear_cache() -> None:
 # Messages
 # --------------------------------------------------------------------------------------
 
+def pip_command(extra: str, clone_path: str) -> str:
+    """``pip install "flash-qla[extra]"``, and its form from a clone of the repository
+    (``pip install -e <clone_path>``) while the packages are not published."""
+    return f'pip install "flash-qla[{extra}]" (from a clone: pip install -e {clone_path})'
+
+
 def install_hint(capability: tuple[int, int]) -> str:
     """The pip command that installs the kernels for ``capability``, or why there is none."""
     extra = CAPABILITY_EXTRAS.get(tuple(capability))
@@ -244,8 +250,7 @@ def install_hint(capability: tuple[int, int]) -> str:
         return (f"no FlashQLA kernel package serves compute capability "
                 f"{capability[0]}.{capability[1]} (served: {served}); set {ENV_VAR}=torch "
                 f"to run the slow PyTorch reference")
-    return (f'pip install "flash-qla[{extra}]" (until published: pip install -e '
-            f'packages/flash-qla-{extra} from a clone)')
+    return pip_command(extra, f"packages/flash-qla-{extra}")
 
 
 def _fmt_caps(caps: tuple[tuple[int, int], ...]) -> str:

@@ -27,8 +27,7 @@ _CC_MINOR = 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
 _MIN_DRIVER_CUDA = (12, 8)
 
 #: How to get the ``info`` extra (cuda-python), published or from a clone.
-INFO_EXTRA_HINT = ('pip install "flash-qla[info]" (from a clone: pip install -e '
-                   '"packages/flash-qla-core[info]")')
+INFO_EXTRA_HINT = dispatch.pip_command("info", '"packages/flash-qla-core[info]"')
 
 
 @dataclass(frozen=True)
@@ -272,8 +271,8 @@ def report(*, verbose: bool = False, query: DeviceQuery | None = None) -> tuple[
                        + ("  [installed]" if done else ""))
     else:
         out.append("  no GPU here: nothing more (the torch backend runs on the CPU).")
-        out.append("  On a GPU machine: SM90 (H100/H200/H20) pip install \"flash-qla[sm90]\"; "
-                   "SM100/SM103 \"flash-qla[sm100]\" and SM120/SM121 \"flash-qla[sm120]\" "
-                   "(no kernels yet). Until published: pip install -e "
-                   "packages/flash-qla-sm90 (etc.) from a clone.")
+        out.append("  On a GPU machine: SM90 (H100/H200/H20) "
+                   + dispatch.install_hint((9, 0))
+                   + "; SM100/SM103 and SM120/SM121 the same with sm100 / sm120 "
+                   "(no kernels yet).")
     return "\n".join(out), status

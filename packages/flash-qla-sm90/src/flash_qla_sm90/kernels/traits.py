@@ -81,6 +81,9 @@ PREPARE_US_PER_CHUNK_HEAD = 0.016
 #: 4096 for one long sequence at few heads (measured 14-17% faster than unsplit in
 #: that call) and nothing at 1x8192 or on grids that fill the GPU. 1024 and 2048 are
 #: not tried: in that call they lost to 4096 on every shape, and to no split on most.
+#: Call 4 (plans cached per lengths) measured the split 25-46% faster than unsplit on
+#: those rows: the fixed cost fitted before the cache is now an overestimate, which
+#: keeps the planner conservative (docs/perf-notes.md, "v5").
 SEGMENT_AUTO = True
 SEGMENT_LENS = (4096, 8192)
 SEGMENT_SCAN_STEP_US = 45.0
