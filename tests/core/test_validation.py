@@ -313,6 +313,17 @@ def test_unknown_backend_on_cpu_is_rejected():
         flash_qla.chunk_gated_delta_rule(**base_call(), backend="nope")
 
 
+def test_backend_must_be_a_name():
+    with pytest.raises(TypeError, match=r"backend: expected a backend name \(str\) or None, "
+                                        r"got int"):
+        flash_qla.chunk_gated_delta_rule(**base_call(), backend=1)
+
+
+def test_compat_cache_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"enable_fwd_cp_cache"):
+        flash_qla.chunk_gated_delta_rule(**base_call(), enable_fwd_cp_cache="no")
+
+
 # --------------------------------------------------------------------------------------
 # cu_seqlens contents: what is valid, and no host sync during CUDA-graph capture
 # --------------------------------------------------------------------------------------

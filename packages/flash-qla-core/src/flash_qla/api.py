@@ -104,10 +104,12 @@ def _reject_unsupported(*, head_first: bool, auto_cp: bool | None,
         raise NotImplementedError(
             "cp_context (context parallelism across ranks) is not supported; pass None"
         )
+    validation.check_bool("enable_fwd_cp_cache", enable_fwd_cp_cache, optional=True)
     if enable_fwd_cp_cache:
         raise NotImplementedError(
-            "enable_fwd_cp_cache=True is not supported (there is no segment-parallel "
-            "forward to cache yet); pass None or False"
+            "enable_fwd_cp_cache=True is not supported (segment states are not kept "
+            "between calls; the segment split itself is segment_len= / auto_cp); pass "
+            "None or False"
         )
 
 
@@ -259,7 +261,7 @@ def chunk_gated_delta_rule(
         g: ``[B, T, Hv]`` fp32 or bf16 (fp64 on ``torch``): per-token natural-log decay
             (``g <= 0``, before any cumsum; the state is multiplied by ``exp(g_t)``).
             With ``use_gate_in_kernel`` it is instead the raw pre-activation, see below.
-        beta: ``[B, T, Hv]`` in q's dtype or fp32: write strength, in (0, 1].
+        beta: ``[B, T, Hv]`` in q's dtype or fp32: write strength, in [0, 1].
         scale: output scale; None means ``K ** -0.5``.
         initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` v-first) fp32 (fp64 for fp64
             inputs), or None for zeros.

@@ -457,13 +457,17 @@ def get_kernels(device: torch.device, *, K: int, V: int, dtype: torch.dtype,
             to install one).
         BackendError: a backend's kernels failed to load (the cause is chained).
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name (str) or None, got "
+                        f"{type(backend).__name__}")
     device = torch.device(device)
     dtype_name = _dtype_name(dtype)
     if device.type != "cuda":
         if backend is not None and backend != TORCH_BACKEND.name:
             known = sorted(discover()[0])
             if backend not in known:
-                raise ValueError(f"backend: unknown backend {backend!r}; installed: {known}")
+                raise ValueError(f"backend: unknown backend {backend!r}; installed: {known} "
+                                 f"(tensors on {device} run on the 'torch' backend)")
             raise ValueError(f"backend {backend!r} runs on CUDA devices only; the tensors are "
                              f"on {device}: use backend='torch' or move them to a GPU")
         return TORCH_BACKEND, _load(TORCH_BACKEND, -1)
