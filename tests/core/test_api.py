@@ -530,3 +530,12 @@ def test_gradients_through_a_split_forward():
     expected = {"o": ref[0], **grads(ref, inputs)}
     assert set(actual) >= {"q", "k", "v", "g", "beta"}
     assert too_large(errors(actual, expected), FP64_TOL) == {}
+
+
+def test_numpy_integer_segment_len_is_accepted():
+    """A segment length from numpy arithmetic (np.int64) splits like the same int."""
+    np = pytest.importorskip("numpy")
+    inputs = make_inputs(VARLEN)
+    ours = run_api(inputs, VARLEN, segment_len=np.int64(64))
+    ref = run_api(inputs, VARLEN, segment_len=64)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])

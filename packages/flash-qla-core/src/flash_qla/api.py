@@ -33,6 +33,7 @@ Layers, top to bottom:
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -118,9 +119,10 @@ def _resolve_segment_len(force_intra_cp: bool | None, segment_len: int | None) -
     validation.check_bool("force_intra_cp", force_intra_cp, optional=True)
     if segment_len is None:
         return DEFAULT_SEGMENT_LEN if force_intra_cp else None
-    if isinstance(segment_len, bool) or not isinstance(segment_len, int):
+    if isinstance(segment_len, bool) or not isinstance(segment_len, numbers.Integral):
         raise TypeError(f"segment_len: expected an int (tokens per segment) or None, got "
                         f"{type(segment_len).__name__}")
+    segment_len = int(segment_len)                    # numpy / torch integer scalars too
     if segment_len <= 0 or segment_len % SEGMENT_MULTIPLE:
         raise ValueError(f"segment_len: expected a positive multiple of the chunk size "
                          f"{SEGMENT_MULTIPLE}, got {segment_len}")
