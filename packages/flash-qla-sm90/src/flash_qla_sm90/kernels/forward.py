@@ -182,13 +182,16 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
     if not traits.SEGMENT_AUTO:
         return None
     lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    longest = max(lens, default=0)
+    if longest <= min(traits.SEGMENT_LENS):           # no length splits any sequence:
+        return None                                   # O(N) host work per call, no more
     best = None
     best_us = predicted_fwd_us(lens, Hv, K, V, sm_count) * (1 - traits.SEGMENT_MIN_GAIN)
     for seg in traits.SEGMENT_LENS:
-        pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
-        steps = max(-(-n // seg) for n in lens) if lens else 0
+        steps = -(-longest // seg)                    # scan positions
         if steps < 2:
             continue                                  # no sequence is split at this length
+        pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
         us = (3 * _fused_us(pieces, Hv, K, V, sm_count) + _prepare_us(pieces, Hv)
               + steps * traits.SEGMENT_SCAN_STEP_US + traits.SEGMENT_FIXED_US)
         if us < best_us:
@@ -226,42 +229,56 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     return o, final_state, (h if store_h else None)
 
 
+def _output_alloc(cu_seqlens, cu_seqlens_cpu, num_tokens: int):
+    """torch.zeros where tokens past ``cu_seqlens[-1]`` (padding) get outputs, else
+    torch.empty."""
+    padded = _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens)
+    return torch.zeros if padded else torch.empty
+
+
+def _fused_outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, scale,
+                   initial_state, cu_seqlens_cpu, output_final_state, output_h):
+    """:func:`_fused` on the packed k, g_cumsum, beta, A, returning ``(o, h, final_state)``
+    in the layout of ``Kernels.fwd`` (o ``[B, T, Hv, V]``; dense h ``[B, NT/B, ...]``)."""
+    B, T, _, K = q.shape
+    Hv, V = v.shape[2:]
+    o, final_state, h = _fused(
+        _packed(q), k_p, _packed(v), g_cumsum_p, beta_p, A_p, layout, scale=scale,
+        initial_state=initial_state, alloc=alloc,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h else None)
+    return (o.view(B, T, Hv, V), h.view(B, -1, Hv, K, V) if output_h else None,
+            final_state if output_final_state else None)
+
+
 def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
               cu_seqlens_cpu, output_final_state, output_h):
     """The fused kernel alone, from a prepare's outputs (``Kernels.fwd_prepared``):
     g_cumsum ``[B,T,Hv]`` fp32 and A ``[B,T,Hv,C]`` as :func:`chunk_fwd` returned them
     for the same tokens and chunk boundaries. Returns (o, h, final_state)."""
-    B, T, Hk, K = q.shape
-    Hv, V = v.shape[2:]
-    layout = layout_for(q, cu_seqlens)
-    o, final_state, h = _fused(
-        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
-        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
-        initial_state=initial_state,
-        alloc=torch.zeros if _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, B * T) else torch.empty,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h else None)
-    return (o.view(B, T, Hv, V), h.view(B, -1, Hv, K, V) if output_h else None,
-            final_state if output_final_state else None)
+    return _fused_outputs(
+        q, _packed(k), v, _packed(g_cumsum, torch.float32), _packed(beta, torch.float32),
+        _packed(A), layout_for(q, cu_seqlens),
+        _output_alloc(cu_seqlens, cu_seqlens_cpu, q.shape[0] * q.shape[1]), scale=scale,
+        initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
+        output_final_state=output_final_state, output_h=output_h)
 
 
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               output_final_state, output_h):
     """Forward; returns (g_cumsum, A, o, h, final_state) (see Kernels.fwd)."""
     B, T, Hk, K = q.shape
-    Hv, V = v.shape[2:]
+    Hv = v.shape[2]
     Tt = B * T
     layout = layout_for(q, cu_seqlens)
-    alloc = torch.zeros if _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt) else torch.empty
+    alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, Tt)
     k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
     g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     A = alloc(Tt, Hv, CHUNK, dtype=q.dtype, device=q.device)
     prepare_kernel()(_DTYPE_NAMES[q.dtype], K)(
         k_p, _packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
         g_cumsum, A)
-    o, final_state, h = _fused(
-        _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
-        initial_state=initial_state, alloc=alloc,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h else None)
-    return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
-            h.view(B, -1, Hv, K, V) if output_h else None,         # dense: [B, NT/B, ...]
-            final_state if output_final_state else None)
+    o, h, final_state = _fused_outputs(
+        q, k_p, v, g_cumsum, beta_p, A, layout, alloc, scale=scale,
+        initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
+        output_final_state=output_final_state, output_h=output_h)
+    return g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o, h, final_state
