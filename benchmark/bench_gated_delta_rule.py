@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         "auto_cp=False (never split); default: the backend's automatic choice; use "
         "--tag to keep its results apart",
     )
+    p.add_argument(
+        "--ours-shortcut-bound",
+        type=float,
+        default=None,
+        help="segment_shortcut_bound= passed to our chunk_gated_delta_rule (0: the split "
+        "never drops a transition; default: the API's 2^-9)",
+    )
     out = p.add_argument_group("output")
     out.add_argument(
         "--out", default=DEFAULT_OUT, help="output directory (default: benchmark/results)"
@@ -355,6 +362,7 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
         "ours_backend": args.ours_backend,
         "ours_segment_len": args.ours_segment_len,
+        "ours_shortcut_bound": args.ours_shortcut_bound,
         "fla_tune_rep_ms": args.fla_tune_rep_ms,
         "capability": info.get("capability"),
     }
@@ -435,7 +443,8 @@ def cold_first_call(args, shape: C.Shape, impls: list[str], scratch: str) -> dic
             "rep_ms": 1,
             "graphs": False,
             "ours_backend": args.ours_backend,
-        "ours_segment_len": args.ours_segment_len,
+            "ours_segment_len": args.ours_segment_len,
+            "ours_shortcut_bound": args.ours_shortcut_bound,
             "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
             "ref_path": os.path.join(cache, "none.pt"),
             "capability": None,

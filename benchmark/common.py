@@ -20,6 +20,7 @@ g, beta ``[B,T,Hv]``, states ``[N,Hv,K,V]`` fp32, K = V = 128, chunk C = 64.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fnmatch
 import json
@@ -444,13 +445,15 @@ def import_ours():
 
 def segment_len_arg(text: str) -> int | str:
     """``--ours-segment-len``: a segment length in tokens (a multiple of 64), or "off"
-    (``auto_cp=False``: never split); without the option the backend decides."""
+    (``auto_cp=False``: never split); without the option the backend decides. Raises
+    ``argparse.ArgumentTypeError`` (argparse prints its message) on anything else."""
     if text == "off":
         return text
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"expected an int (tokens per segment) or 'off', got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected an int (tokens per segment) or 'off', got {text!r}") from None
 
 
 class Ours(Impl):
@@ -461,6 +464,7 @@ class Ours(Impl):
         self.fn = flash_qla.chunk_gated_delta_rule
         self.backend = ctx.get("ours_backend")
         self.segment_len = ctx.get("ours_segment_len")
+        self.shortcut_bound = ctx.get("ours_shortcut_bound")
         return getattr(flash_qla, "__version__", "?")
 
     def prepare(self, inp, ctx, requires_grad=False):
@@ -474,6 +478,8 @@ class Ours(Impl):
             kw["auto_cp"] = False
         elif self.segment_len:
             kw["segment_len"] = self.segment_len
+        if self.shortcut_bound is not None:
+            kw["segment_shortcut_bound"] = self.shortcut_bound
         return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"], **kw)
 
 

@@ -7,13 +7,15 @@
 #   tests     pytest -m gpu (forward, backward, segments), TEST_FILTER (-k) selecting
 #   dh        the chunk_bwd_dh sweep check (isolated: it is the slowest)
 #   tune      benchmark/tune_chunk_fwd.py: every prepare kernel + every tiling, checked and timed
-#   bwd       forward+backward timings of ours and BWD_PEERS (bench --mode bwd)
+#   bwd       forward+backward timings of ours and BWD_PEERS (bench --mode bwd), once per
+#             BWD_SEG_LENS (default "auto"; "off" / lengths as in seg)
 #   fwd       forward timings of ours, eager and graphed (bench --mode fwd)
 #   evidence  forward table (eager + CUDA graph) of ours beside EVIDENCE_PEERS on
 #             EVIDENCE_SHAPES, tag H200 (the file benchmark/results/H200.md is made of)
 #   profile   per-kernel profile of ours, develop set
 #   seg       forward of ours on SEG_SHAPES for each of SEG_LENS (default "auto off 1024
-#             2048 4096": the backend's choice, never split, forced lengths; issue 6),
+#             2048 4096": the backend's choice, never split, forced lengths; issue 6;
+#             "exact": the backend's choice with segment_shortcut_bound=0),
 #             then, if SEG_PROFILE is set, the kernel profile of the segment path with
 #             SEG_PROFILE_LEN on those develop-set rows (SEG_PROFILE_HOST=1: host ops)
 #   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes every shape, each
@@ -31,55 +33,63 @@ export TILELANG_PRINT_ON_COMPILATION=0
 # most 8 files, so they must not lie under $OUT one by one)
 OUT=${OUT:-/tmp/out}; R=$(mktemp -d); mkdir -p "$OUT"
 STAGES=${STAGES:-"tests tune bwd"}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
+# SESSION_BUDGET (default 560 s, the device kills a call at 600): every stage's timeout is
+# capped by what is left, a stage is skipped with < 20 s left, so the archive always comes
+has() { [[ " $STAGES " == *" $1 "* ]] && (( ${SESSION_BUDGET:-560} - SECONDS > 20 )); }
+cap() { local left=$(( ${SESSION_BUDGET:-560} - SECONDS - 5 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs"
 if has smoke; then
-  if ! timeout "${SMOKE_TIMEOUT:-60}" python3 benchmark/tune_chunk_fwd.py \
+  if ! timeout "$(cap "${SMOKE_TIMEOUT:-60}")" python3 benchmark/tune_chunk_fwd.py \
       --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
     echo "smoke failed: skipping the stages after it ($STAGES)" | tee -a "$R/smoke.txt"
     STAGES=""
   fi
 fi
 if has tests; then
-  timeout "${TEST_TIMEOUT:-240}" $PT tests -m gpu -k "${TEST_FILTER:-not dh_kernel}" > "$R/gpu-tests.txt" 2>&1
+  timeout "$(cap "${TEST_TIMEOUT:-240}")" $PT tests -m gpu -k "${TEST_FILTER:-not dh_kernel}" > "$R/gpu-tests.txt" 2>&1
 fi
 if has dh; then
-  timeout 60 $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$R/gpu-dh.txt" 2>&1
+  timeout "$(cap 60)" $PT tests/sm90/test_backward_gpu.py -k dh_kernel > "$R/gpu-dh.txt" 2>&1
 fi
 if has tune; then
-  timeout "${TUNE_TIMEOUT:-150}" python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
+  timeout "$(cap "${TUNE_TIMEOUT:-150}")" python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
 fi
-if has bwd; then
-  timeout "${BWD_TIMEOUT:-120}" $B --mode bwd --peers "${BWD_PEERS:-none}" --tag H200-bwd \
-    --deadline-s $(( ${BWD_TIMEOUT:-120} - 80 )) --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
-    --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" > "$R/bwd.txt" 2>&1
+if has bwd; then   # BWD_SEG_LENS: "auto" (default), "off" or lengths, one run each
+  for len in ${BWD_SEG_LENS:-auto}; do
+    extra=(); [ "$len" != auto ] && extra=(--ours-segment-len "$len")
+    timeout "$(cap "${BWD_TIMEOUT:-120}")" $B --mode bwd --peers "${BWD_PEERS:-none}" --tag "H200-bwd-$len" \
+      --deadline-s $(( ${BWD_TIMEOUT:-120} - 80 )) --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
+      "${extra[@]}" --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" \
+      > "$R/bwd-$len.txt" 2>&1
+  done
 fi
 if has fwd; then   # ours alone on forward-grid rows, eager and CUDA-graph replay
-  timeout 150 python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
+  timeout "$(cap 150)" python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
     --tag H200-fwd --deadline-s 120 --shapes "${FWD_SHAPES:-2/8@1x32768,16/32@1x8192}" \
     > "$R/fwd.txt" 2>&1
 fi
 if has evidence; then   # the headline table: ours beside EVIDENCE_PEERS, eager and graphed
-  timeout "${EVIDENCE_TIMEOUT:-240}" python3 benchmark/bench_gated_delta_rule.py --out "$R" \
+  timeout "$(cap "${EVIDENCE_TIMEOUT:-240}")" python3 benchmark/bench_gated_delta_rule.py --out "$R" \
     --mode fwd --peers "${EVIDENCE_PEERS:-flashinfer}" --tag H200 \
     --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" --shapes "${EVIDENCE_SHAPES:-16/32@8x4096}" \
     > "$R/evidence.txt" 2>&1
 fi
 if has profile; then
-  timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
+  timeout "$(cap 120)" python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
     --shapes "${PROFILE_SHAPES:-16/16@*}" --out "$R" > "$R/profile.txt" 2>&1
 fi
 if has seg; then
   for len in ${SEG_LENS:-auto off 1024 2048 4096}; do
-    extra=(); [ "$len" != auto ] && extra=(--ours-segment-len "$len")
-    timeout 100 python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
+    extra=(); [ "$len" = exact ] && extra=(--ours-shortcut-bound 0)   # auto, no shortcut
+    [[ "$len" != auto && "$len" != exact ]] && extra=(--ours-segment-len "$len")
+    timeout "$(cap 100)" python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
       --tag "H200-seg-$len" --deadline-s 85 "${extra[@]}" \
       --shapes "${SEG_SHAPES:-2/8@1x32768,4/16@1x32768,16/16@1x32768,2/8@1x8192}" > "$R/seg-$len.txt" 2>&1
   done
   if [ -n "${SEG_PROFILE:-}" ]; then   # e.g. SEG_PROFILE="4/4@*" SEG_PROFILE_LEN=4096
-    timeout 120 python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
+    timeout "$(cap 120)" python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
       --skip-bwd --shapes "$SEG_PROFILE" --ours-segment-len "${SEG_PROFILE_LEN:-4096}" \
       ${SEG_PROFILE_HOST:+--host} \
       --out "$R/seg-profile" > "$R/seg-profile.txt" 2>&1
@@ -88,7 +98,7 @@ fi
 if has ncu; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
-    timeout 150 "$NCU" --kernel-name "regex:${NCU_KERNEL:-chunk_fwd}" --launch-count 1 \
+    timeout "$(cap 150)" "$NCU" --kernel-name "regex:${NCU_KERNEL:-chunk_fwd}" --launch-count 1 \
       --section WarpStateStats --section SchedulerStats --section LaunchStats \
       --section Occupancy --section ComputeWorkloadAnalysis --section SpeedOfLight \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
@@ -107,7 +117,7 @@ if has ncu; then
   fi
 fi
 if has fla; then
-  timeout 200 $B --mode fwd --peers fla --tag H200-fla --deadline-s 170 \
+  timeout "$(cap 200)" $B --mode fwd --peers fla --tag H200-fla --deadline-s 170 \
     --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
@@ -116,7 +126,7 @@ tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in gpu-tests gpu-dh; do [ -f "$R/$f.txt" ] && grep -E "passed|failed|error" "$R/$f.txt" | tail -3; done
 cat "$R"/gpu-*.txt 2>/dev/null | grep -E "^FAILED|^ERROR" | head -20
 [ -f "$R/ncu.txt" ] && grep -E "stalled|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Theoretical Occ|No Eligible|One or More" "$R/ncu.txt" | sort -k3 -rn | head -40
-for f in "$R"/{bwd,fwd,evidence,profile,fla}.txt "$R"/seg-*.txt; do   # seg-<len>, seg-profile
+for f in "$R"/{fwd,evidence,profile,fla}.txt "$R"/bwd-*.txt "$R"/seg-*.txt; do   # <stage>-<len>
   [ -f "$f" ] && grep "^|" "$f" | head -12
 done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"
