@@ -136,7 +136,7 @@ def _ptxas_report(src: str, tmp_path) -> str:
     return out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "prepare_blocked", "bwd_dh",
+@pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_dh",
                                     "bwd_intra"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
@@ -154,6 +154,7 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     builder, args = {
         "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, False)),
         "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, False, False)),
+        "fwd_ws_warmup": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, False, True)),
         "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
@@ -181,7 +182,7 @@ def test_backward_intra_kernel_compiles_to_wgmma(dtype):
 
 
 # Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
-_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx"}
+_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "walk", "h0_from"}
 
 
 def _global_accesses(src: str):
@@ -203,7 +204,7 @@ def _global_accesses(src: str):
 
 
 @pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws",
-                                    "bwd_dh", "bwd_intra"])
+                                    "fwd_ws_warmup", "bwd_dh", "bwd_intra"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
@@ -223,6 +224,7 @@ def test_global_indexing_is_64_bit(kernel):
         "fwd": (chunk_fwd_kernel, ("bfloat16", 128, 128, True, True)),
         "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, True)),
         "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, True)),
+        "fwd_ws_warmup": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, False, True)),
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
     }[kernel]

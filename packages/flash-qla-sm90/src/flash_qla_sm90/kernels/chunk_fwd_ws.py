@@ -62,11 +62,22 @@ AUX_BARRIER = 1
 # Every synchronisation is written out (see the module docstring).
 @tilelang.jit(target=TARGET, pass_configs={
     **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
-def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool):
+def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
+                        warmup: bool = False):
     """Build the forward; arguments and outputs as ``chunk_fwd_kernel`` (state layouts
-    [.., K, V]; the kernel transposes on load and store)."""
+    [.., K, V]; the kernel transposes on load and store), plus ``walk`` and ``h0_from``
+    (``[NW, HW]`` int32), read only when ``warmup``.
+
+    ``warmup`` (the bounded segment split, ``flash_qla.segments.warmup_starts``): the
+    "sequences" of ``cu_seqlens`` are segments, and CTA (n, h) starts its recurrence at
+    token ``walk[n, h]`` (<= cu_seqlens[n], on the chunk grid of the segment's sequence)
+    from the state ``initial_state[h0_from[n, h], h]`` (zero where h0_from < 0), then
+    stores o only from ``cu_seqlens[n]`` on: the chunks before are a warm-up, which
+    rebuilds the segment's start state up to what decayed below the bound.
+    ``final_state[n]`` is the segment's final state. Not with ``store_h``."""
+    assert not (warmup and store_h), "the warm-up split keeps no chunk states"
     C = CHUNK
-    Tt, Hk, Hv, N, N1, NTh = T.dynamic("Tt, Hk, Hv, N, N1, NTh")
+    Tt, Hk, Hv, N, N1, NTh, NW, HW = T.dynamic("Tt, Hk, Hv, N, N1, NTh, NW, HW")
     f32 = "float32"
 
     @T.macro
@@ -80,6 +91,13 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
         T.async_copy(v[t0:t0 + C, h, :], v_s[s, :, :])
         T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
+
+    @T.macro
+    def store_o(o, ot, scale, t0, rows, h):
+        """o[t0 + t, h, :] = scale * O^T[:, t] for the chunk's ``rows`` rows."""
+        for i, t in T.Parallel(V, C):
+            if t < rows:
+                o[t0 + t, h, i] = T.cast(ot[i, t] * scale, dtype)
 
     @T.prim_func
     def chunk_fwd_ws(
@@ -96,6 +114,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         o: T.Tensor((Tt, Hv, V), dtype),
         final_state: T.Tensor((N, Hv, K, V), f32),
         h_out: T.Tensor((NTh, Hv, K, V), f32),
+        walk: T.Tensor((NW, HW), "int32"),
+        h0_from: T.Tensor((NW, HW), "int32"),
     ):
         with T.Kernel(N * Hv, threads=384) as bx:
             # SLOTS slots of everything the aux warpgroup prepares for one chunk
@@ -125,7 +145,10 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             n = T.alloc_var("int32", init=bx // Hv)
             h = T.alloc_var("int32", init=bx % Hv)
             hk = T.alloc_var("int32", init=h // (Hv // Hk))
-            bos = T.alloc_var("int32", init=cu_seqlens[n])
+            bos = T.alloc_var("int32", init=cu_seqlens[n])        # first token walked
+            if warmup:
+                out_bos = T.alloc_var("int32", init=bos)           # first token of o
+                bos = walk[n, h]
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             last = T.alloc_var("int32", init=bos + seq_len - 1)
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])
@@ -192,9 +215,16 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
 
             with T.ws(0, 1):                                  # state: chunk c from its slot
                 T.inc_max_nreg(STATE_REGS)
-                if has_initial_state:
+                if has_initial_state and not warmup:
                     for i, j in T.Parallel(V, K):
                         st[i, j] = initial_state[n, h, j, i]
+                elif has_initial_state:                   # the walk's start state
+                    src = T.alloc_var("int32", init=h0_from[n, h])
+                    if src >= 0:
+                        for i, j in T.Parallel(V, K):
+                            st[i, j] = initial_state[src, h, j, i]
+                    else:
+                        T.clear(st)
                 else:
                     T.clear(st)
                 for c in T.serial(chunks):
@@ -227,9 +257,11 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                         st[i, j] = st[i, j] * eg_s[ss, C - 1]
                     T.gemm(du_b, k_s[ss, :, :], st, policy=ROWS)                 # + (U^T D) K
                     T.barrier_arrive(empty[ss])
-                    for i, t in T.Parallel(V, C):
-                        if t < rows:
-                            o[t0 + t, h, i] = T.cast(ot[i, t] * scale, dtype)
+                    if warmup:
+                        if t0 >= out_bos:                     # not a warm-up chunk
+                            store_o(o, ot, scale, t0, rows, h)
+                    else:
+                        store_o(o, ot, scale, t0, rows, h)
                 for i, j in T.Parallel(V, K):
                     final_state[n, h, j, i] = st[i, j]
 

@@ -44,6 +44,7 @@ def variants(experimental: bool = False):
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_prepare import PREPARE_KERNELS
+    from .chunk_fwd_ws import chunk_fwd_ws_kernel
     from .forward import prepare_kernel_name
 
     tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
@@ -59,6 +60,8 @@ def variants(experimental: bool = False):
                         yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
                     for transposed in _transposed_builders(K, V, experimental):
                         yield transposed, (dtype, K, V, has_h0, store_h)
+                        if transposed is chunk_fwd_ws_kernel and not store_h:
+                            yield transposed, (dtype, K, V, has_h0, False, True)  # warm-up
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:
