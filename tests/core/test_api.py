@@ -479,8 +479,9 @@ class PlanningKernels(SpyKernels):
         super().__init__()
         self.plans = []
 
-    def plan_segment_len(self, bounds, Hv, K, V, device):
+    def plan_segment_len(self, bounds, Hv, K, V, device, bounded):
         self.plans.append((bounds, Hv, K, V))
+        self.bounded = bounded
         return 64
 
 
@@ -539,3 +540,17 @@ def test_numpy_integer_segment_len_is_accepted():
     ours = run_api(inputs, VARLEN, segment_len=np.int64(64))
     ref = run_api(inputs, VARLEN, segment_len=64)
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+@pytest.mark.parametrize("bound, error", [(-0.1, ValueError), (1.0, ValueError),
+                                          (True, TypeError), ("2^-9", TypeError)])
+def test_segment_shortcut_bound_is_checked(bound, error):
+    inputs = make_inputs(VARLEN)
+    with pytest.raises(error, match="segment_shortcut_bound"):
+        run_api(inputs, VARLEN, segment_shortcut_bound=bound)
+
+
+def test_planner_is_told_which_split_follows(planner):
+    """Backends without ``fwd_warmup`` are asked for the exact split's plan."""
+    run_api(make_inputs(VARLEN), VARLEN, cu_seqlens_cpu=cu_tensor(VARLEN))
+    assert planner.bounded is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import math
 import functools
 
 import pytest
@@ -116,3 +117,89 @@ def test_repeated_lengths_reuse_the_plan():
     assert segments._plan.cache_info().hits == hits + 1
     for a, b in zip(first, again):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+# The bounded split (warm-up walks): starts, and the torch backend's fwd_warmup
+# --------------------------------------------------------------------------------------
+
+def _chunk_cumsum_args(g, bounds):
+    """Arguments of a torch forward whose g_cumsum is the chunk-local cumsum of g."""
+    T, Hv = g.shape[1:]
+    z = torch.zeros(1, T, 1, 4, dtype=torch.float64)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return (z, z, torch.zeros(1, T, Hv, 4, dtype=torch.float64), g,
+            torch.zeros(1, T, Hv, dtype=torch.float64)), dict(
+        scale=1.0, initial_state=None, cu_seqlens=cu, cu_seqlens_cpu=cu,
+        output_final_state=False, output_h=False)
+
+
+def _starts_of(g, bounds, segment_len, bound):
+    args, kw = _chunk_cumsum_args(g, bounds)
+    gc = TORCH_KERNELS.fwd(*args, **kw)[0]
+    plan = segments._plan(tuple(bounds), segment_len, g.device)
+    return [x.tolist() for x in segments.warmup_starts(gc, plan, bound)]
+
+
+def test_warmup_walks_back_until_the_decay_reaches_the_bound():
+    """Chunks decaying by e^-1 (head 0) and e^-3 (head 1), bound e^-2.5, segments of two
+    chunks: head 0 walks back 3 chunks, head 1 one; never past its sequence's start (where
+    it starts from the sequence's initial state); g = 0 (head 2) always walks to it."""
+    per_token = torch.tensor([-1.0, -3.0, 0.0], dtype=torch.float64) / 64
+    bounds = [0, 640, 640, 700]                  # 10 chunks, an empty sequence, a short one
+    g = per_token.expand(1, 700, 3).contiguous()
+    walk, h0_from = _starts_of(g, bounds, 128, math.exp(-2.5))
+    # segments: [0,128) [128,256) [256,384) [384,512) [512,640) [640,700)
+    assert [w[0] for w in walk] == [0, 0, 64, 192, 320, 640]
+    assert [w[1] for w in walk] == [0, 64, 192, 320, 448, 640]
+    assert [w[2] for w in walk] == [0, 0, 0, 0, 0, 640]
+    assert [f[0] for f in h0_from] == [0, 0, -1, -1, -1, 2]
+    assert [f[1] for f in h0_from] == [0, -1, -1, -1, -1, 2]
+    assert [f[2] for f in h0_from] == [0, 0, 0, 0, 0, 2]
+
+
+def test_warmup_treats_positive_gates_as_zero():
+    """A gate above 0 counts as no decay: the walk goes on past its chunk (here segment
+    2 walks over the growing chunk 1 to chunk 0) instead of stopping early."""
+    g = torch.full((1, 256, 1), -4.0 / 64, dtype=torch.float64)
+    g[:, 64:128] = 1.0                                             # chunk 1 grows
+    walk, _ = _starts_of(g, [0, 256], 64, math.exp(-3.0))
+    assert [w[0] for w in walk] == [0, 0, 0, 128]
+
+
+def _api_split(inputs, bounds, bound, segment_len):
+    import flash_qla
+
+    q, k, v, g, beta, s0 = inputs
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return flash_qla.chunk_gated_delta_rule(
+        q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True,
+        cu_seqlens=cu, cu_seqlens_cpu=cu, segment_len=segment_len,
+        segment_shortcut_bound=bound, backend="torch")
+
+
+@pytest.mark.parametrize("gate", ["zero", "typical", "strong"])
+def test_bounded_split_is_within_its_bound(gate):
+    """The bounded split (torch fwd_warmup) against the exact recurrence: g = 0 walks
+    whole histories (exact); otherwise the error is at most about the bound, and a
+    smaller bound gives a smaller error."""
+    lens = [700, 0, 5, 70]
+    q, k, v, g, beta, s0, bounds = _inputs(lens, 1, 775, 2, 4, True, gate)
+    inputs = (q, k, v, g, beta, s0)
+    exact = _api_split(inputs, bounds, 0.0, 64)
+    for bound, tol in ((2.0 ** -9, 4e-3), (2.0 ** -30, 1e-8)):
+        o, ht = _api_split(inputs, bounds, bound, 64)
+        err = max(rel_l2(o, exact[0]), rel_l2(ht, exact[1]))
+        if gate == "zero":
+            assert err < 1e-12
+        else:
+            assert err < tol, (bound, err)
+
+
+def test_bounded_split_drops_history_where_the_gates_decay():
+    """With typical gates over 700 tokens some segment walks start after their
+    sequence's start (the shortcut is taken), and the result still matches."""
+    q, k, v, g, beta, s0, bounds = _inputs([700], 1, 700, 1, 2, True, "typical")
+    walk, h0_from = _starts_of(g, bounds, 64, 2.0 ** -9)
+    assert any(f < 0 for row in h0_from for f in row)
+    assert all(w % 64 == 0 for row in walk for w in row)

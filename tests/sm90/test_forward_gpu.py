@@ -283,17 +283,52 @@ SEGMENT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("bound", [0.0, 2.0 ** -9], ids=["exact", "bounded"])
 @pytest.mark.parametrize("case, segment_len", SEGMENT_CASES,
                          ids=[f"{c.id}-seg{s}" for c, s in SEGMENT_CASES])
-def test_segment_parallel_forward(case, segment_len):
-    """Exact split (no gate-driven truncation): zero decay must be right too."""
+def test_segment_parallel_forward(case, segment_len, bound):
+    """The exact split (bound 0: three passes and the scan) and the bounded one (the
+    default: one pass of chunk_fwd_ws with warm-up walks) against the fp64 recurrence;
+    zero decay (every walk back to its sequence start) must be right too."""
     inp = make_inputs(case, seed=9)
     o, final = flash_qla.chunk_gated_delta_rule(**inp, output_final_state=True,
-                                                segment_len=segment_len)
+                                                segment_len=segment_len,
+                                                segment_shortcut_bound=bound)
     o_ref, final_ref = reference(inp)
     tol = TOL[case.dtype]
     assert rel_l2(o, o_ref) < tol
     assert rel_l2(final, final_ref) < tol
+
+
+BOUNDED_CASES = [
+    (Case(1, 8192, 2, 4), 1024),
+    (Case(1, 4096, 4, 4, gate="strong"), 512),
+    (_varlen([6000, 7, 300, 1200], 2, 4, gate="zero"), 1024),
+    (_varlen([0, 3000, 64, 1], 1, 2, pad=3), 512),
+]
+
+
+@pytest.mark.parametrize("case, segment_len", BOUNDED_CASES,
+                         ids=[f"{c.id}-seg{s}" for c, s in BOUNDED_CASES])
+def test_bounded_split_agrees_with_torch_backend(case, segment_len):
+    """The kernel's warm-up walks (chunk_fwd_ws with warmup) against the torch backend's
+    fwd_warmup (each segment and head run from its walk start) on the same inputs and
+    bound: same walks, so the same dropped history; and the typical-gate case does drop
+    some (the shortcut is taken there)."""
+    from flash_qla import segments
+
+    inp = make_inputs(case, seed=13)
+    kw = dict(output_final_state=True, segment_len=segment_len)
+    ours = flash_qla.chunk_gated_delta_rule(**inp, **kw)
+    ref = flash_qla.chunk_gated_delta_rule(**inp, **kw, backend="torch")
+    for name, a, b in zip(("o", "final_state"), ours, ref):
+        assert a.shape == b.shape, name
+        assert rel_l2(a.float(), b.float()) < TOL[case.dtype], name
+    if case.gate == "typical" and not case.lens:
+        plan = segments._plan((0, case.T), segment_len, inp["q"].device)
+        gc = flash_qla.chunk_gated_delta_rule_fwd(**inp)[0]
+        _, h0_from = segments.warmup_starts(gc.reshape(1, -1, case.Hv), plan, 2.0 ** -9)
+        assert (h0_from < 0).any()
 
 
 def test_automatic_split_matches_recurrence(monkeypatch):

@@ -137,3 +137,27 @@ def test_segment_plan_splits_only_few_head_long_sequences(monkeypatch):
     for bounds, Hv in (([b * 4096 for b in range(9)], 32), ([0, 32768], 64),
                        ([0, 1000], 8), ([0, 8192], 8), ([0, 0], 8), ([0], 8)):
         assert forward.plan_segment_len(bounds, Hv, 128, 128, 132) is None, (bounds, Hv)
+
+
+def test_bounded_plan_fills_one_wave(monkeypatch):
+    """The bounded split's plan: the shortest segment length whose segments x Hv CTAs
+    fit one wave of 132 SMs, for few (sequence, head) pairs; nothing where the grid
+    already fills the GPU or no sequence is longer than the shortest length."""
+    from flash_qla_sm90.kernels import forward, traits
+
+    monkeypatch.setattr(traits, "SEGMENT_AUTO", True)
+
+    def plan(bounds, Hv):
+        return forward.plan_segment_len(bounds, Hv, 128, 128, 132, bounded=True)
+
+    assert plan([0, 32768], 8) == 2048                 # 16 segments x 8 heads = 128 CTAs
+    assert plan([0, 32768], 16) == 4096
+    assert plan([0, 32768], 4) == 1024
+    assert plan([0, 32768], 64) == 16384               # 64 pairs -> 128 CTAs
+    assert plan([0, 8192], 8) == 512
+    assert plan([0, 60000, 60007, 60307], 4) == 2048   # 30 + 1 + 1 segments x 4
+    for bounds, Hv in (([b * 4096 for b in range(9)], 32), ([0, 32768], 132),
+                       ([0, 512], 8), ([0, 0], 8), ([0], 8)):
+        assert plan(bounds, Hv) is None, (bounds, Hv)
+    monkeypatch.setattr(traits, "SEGMENT_AUTO", False)
+    assert plan([0, 32768], 8) is None

@@ -40,7 +40,12 @@ import torch.nn.functional as F
 
 from flash_qla import validation
 from flash_qla.backend import BackendSpec, Kernels
-from flash_qla.segments import DEFAULT_SEGMENT_LEN, fwd_with_segments, host_bounds
+from flash_qla.segments import (
+    DEFAULT_SEGMENT_LEN,
+    DEFAULT_SHORTCUT_BOUND,
+    fwd_with_segments,
+    host_bounds,
+)
 
 #: segment_len must keep chunk boundaries in place: a multiple of every backend's C.
 SEGMENT_MULTIPLE = 64
@@ -114,6 +119,16 @@ def _reject_unsupported(*, head_first: bool, auto_cp: bool | None,
         )
 
 
+def _check_shortcut_bound(bound) -> float:
+    """``segment_shortcut_bound``: a real number in [0, 1)."""
+    if isinstance(bound, bool) or not isinstance(bound, numbers.Real):
+        raise TypeError(f"segment_shortcut_bound: expected a float in [0, 1), got "
+                        f"{type(bound).__name__}")
+    if not 0 <= bound < 1:
+        raise ValueError(f"segment_shortcut_bound: expected a float in [0, 1), got {bound}")
+    return float(bound)
+
+
 def _resolve_segment_len(force_intra_cp: bool | None, segment_len: int | None) -> int | None:
     """Tokens per segment of the segment-parallel forward, or None for no split."""
     validation.check_bool("force_intra_cp", force_intra_cp, optional=True)
@@ -163,17 +178,18 @@ def gate_from_params(g: torch.Tensor, A_log: torch.Tensor,
 
 
 def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_seqlens_cpu,
-                      ) -> int | None:
+                      bounded: bool) -> int | None:
     """The backend's automatic segment split (``auto_cp``), asked only when it has a
     planner, the sequence lengths are on the host (dense input, or ``cu_seqlens_cpu``)
-    and no CUDA graph is being captured (the split is planned on the host)."""
+    and no CUDA graph is being captured (the split is planned on the host). ``bounded``:
+    the split will be the one-pass bounded one (``fwd_warmup``), else the exact one."""
     plan = getattr(kernels, "plan_segment_len", None)
     if plan is None or (cu_seqlens is not None and cu_seqlens_cpu is None):
         return None
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     bounds = host_bounds(*q.shape[:2], cu_seqlens, cu_seqlens_cpu)       # [N+1], no sync
-    return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device)
+    return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=bounded)
 
 
 def _swap_state_layout(state: torch.Tensor | None) -> torch.Tensor | None:
@@ -190,10 +206,11 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state,
-                cu_seqlens, cu_seqlens_cpu, kernels, segment_len):
+                cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound):
         q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
         fwd = (kernels.fwd if segment_len is None
-               else functools.partial(fwd_with_segments, kernels, segment_len=segment_len))
+               else functools.partial(fwd_with_segments, kernels, segment_len=segment_len,
+                                      shortcut_bound=shortcut_bound))
         g_cumsum, A, o, _, final_state = fwd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -215,7 +232,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu)
         return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dh0,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------------------
@@ -246,6 +263,7 @@ def chunk_gated_delta_rule(
     cp_context: object = None,
     force_intra_cp: bool | None = None,
     segment_len: int | None = None,
+    segment_shortcut_bound: float = DEFAULT_SHORTCUT_BOUND,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet over whole sequences, differentiable (FLA/FlashQLA compatible).
@@ -284,18 +302,29 @@ def chunk_gated_delta_rule(
             differentiable pre-pass. A_log ``[Hv]`` is required, dt_bias ``[Hv]`` is
             optional (None means 0); both are rejected without ``use_gate_in_kernel``.
         auto_cp: None/True (default None): without ``segment_len`` / ``force_intra_cp``,
-            the backend may split long sequences on its own (exact, as
-            ``segment_len``) when its cost model predicts a gain; it is asked only when
-            the lengths are on the host (dense input or ``cu_seqlens_cpu``) and no CUDA
-            graph is being captured. sm90 splits one long sequence at few heads into
+            the backend may split long sequences on its own (as ``segment_len``) when
+            its cost model predicts a gain; it is asked only when the lengths are on
+            the host (dense input or ``cu_seqlens_cpu``) and no CUDA graph is being
+            captured. sm90 splits when (sequences x heads) leave SMs idle: the bounded
+            split into as many segments as one wave holds, the exact one (bound 0) into
             segments of 4096 (cost model fitted on the H200;
             ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``). False: never.
-        segment_len: tokens per segment (a positive multiple of 64) of the exact
-            segment-parallel forward (:mod:`flash_qla.segments`): every sequence is
-            split into segments computed in parallel, then stitched by a short scan over
-            segment transitions. None (default): no split (unless ``auto_cp``). The
-            backward is unchanged. A ValueError inside CUDA-graph capture (the split is
+        segment_len: tokens per segment (a positive multiple of 64) of the segment-
+            parallel forward (:mod:`flash_qla.segments`). None (default): no split
+            (unless ``auto_cp``). With ``segment_shortcut_bound`` > 0 on a backend
+            that has it (sm90), the bounded split: one pass, each segment rebuilding
+            its start state by re-walking the chunks before it back to where their
+            decay reaches the bound (or to its sequence's start); else the exact split
+            (three passes and a scan over segment transitions). The backward is
+            unsplit (exact). A ValueError inside CUDA-graph capture (the split is
             planned on the host).
+        segment_shortcut_bound: what the bounded split may drop (default 2^-9, below
+            bf16's resolution; 0: the exact split): a segment's warm-up starts where
+            ``exp(sum of g)`` up to the segment is at most the bound, so the state it
+            forgets contributes at most ``bound`` times its norm (valid for g <= 0 and
+            ``beta |k|^2 <= 2``, e.g. L2-normalised keys and beta in [0, 1]; pass 0 for
+            keys that are not). Where the gates decay less (g = 0) the warm-up reaches
+            the sequence start: exact. Decided on the device, no host sync.
         force_intra_cp: FlashQLA's switch: True splits with ``segment_len`` or
             ``DEFAULT_SEGMENT_LEN`` (4096); False with a ``segment_len`` is an error.
         enable_fwd_cp_cache, cp_context: accepted for compatibility; any value other
@@ -319,6 +348,7 @@ def chunk_gated_delta_rule(
     _reject_unsupported(head_first=head_first, auto_cp=auto_cp,
                         enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context)
     segment_len = _resolve_segment_len(force_intra_cp, segment_len)
+    shortcut_bound = _check_shortcut_bound(segment_shortcut_bound)
     v_first = _resolve_v_first(transpose_state_layout, state_v_first)
     validation.check_bool("output_final_state", output_final_state)
     validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
@@ -331,7 +361,8 @@ def chunk_gated_delta_rule(
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
     if segment_len is None and auto_cp is not False:
-        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu)
+        bounded = shortcut_bound > 0 and getattr(kernels, "fwd_warmup", None) is not None
+        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu, bounded)
 
     # Pre-passes: everything the kernels' canonical contract does not cover.
     if use_qk_l2norm_in_kernel:
@@ -343,7 +374,7 @@ def chunk_gated_delta_rule(
 
     o, final_state = _ChunkGatedDeltaRule.apply(
         q, k, v, g, beta, initial_state, scale, output_final_state,
-        cu_seqlens, cu_seqlens_cpu, kernels, segment_len)
+        cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
 
     # Post-pass: back to the caller's state layout.
     if v_first:

@@ -64,10 +64,18 @@ class Kernels(Protocol):
     # ``fwd`` without its prepare, from the g_cumsum and A that ``fwd`` returned for the
     # same tokens and chunk boundaries (the segment split reuses them in its later passes;
     # without it, every pass recomputes them).
-    # Optional: ``plan_segment_len(bounds, Hv, K, V, device) -> int | None``, the
-    # backend's automatic segment-parallelism choice from host sequence offsets
-    # ``bounds`` ``[N + 1]`` (None: no split). Backends without it never split on their
-    # own; the core asks only when the lengths are on the host and no graph is captured.
+    # Optional: ``plan_segment_len(bounds, Hv, K, V, device, bounded) -> int | None``,
+    # the backend's automatic segment-parallelism choice from host sequence offsets
+    # ``bounds`` ``[N + 1]`` (None: no split) for the bounded split (``bounded``) or the
+    # exact one. Backends without it never split on their own; the core asks only when
+    # the lengths are on the host and no graph is captured.
+    # Optional: ``fwd_warmup(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
+    # cu_seqlens_cpu, starts) -> (g_cumsum, A, o, final_state)``: the bounded segment
+    # split in one pass (``flash_qla.segments.warmup_fwd``): ``cu_seqlens`` holds the
+    # segments, ``starts(g_cumsum)`` returns ``(walk, h0_from)`` ``[Nseg, Hv]`` int32
+    # (where each (segment, head) starts its recurrence, and from which sequence's
+    # initial state, -1 for zero); o is stored only from each segment's start;
+    # final_state ``[Nseg, Hv, K, V]`` is every segment's.
 
 
 @dataclass(frozen=True)

@@ -613,6 +613,36 @@ class _TorchKernels:
             output_final_state=output_final_state, output_h=output_h,
             chunk_size=self.chunk_size)
 
+    def fwd_warmup(self, q, k, v, g, beta, *, scale: float, initial_state, cu_seqlens,
+                   cu_seqlens_cpu, starts):
+        """See ``Kernels.fwd_warmup`` (the bounded segment split): every (segment,
+        value head) run as its own sequence from its walk start, one reference call per
+        pair (slow; the semantics the kernels are checked against). Inputs packed
+        ``[1, T, ...]``; ``cu_seqlens`` the segments."""
+        g_cumsum, A = self.fwd(q, k, v, g, beta, scale=scale, initial_state=None,
+                               cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                               output_final_state=False, output_h=False)[:2]
+        walk, h0_from = (x.tolist() for x in starts(g_cumsum))       # [Nseg][Hv] each
+        bounds = _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
+        Hk, (Hv, V) = q.shape[2], v.shape[2:]
+        o = torch.zeros_like(v)                                      # [1,T,Hv,V]
+        final = torch.zeros(len(walk), Hv, q.shape[3], V, dtype=g_cumsum.dtype,
+                            device=q.device)                         # [Nseg,Hv,K,V]
+        for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+            for h in range(Hv):
+                w, hk, src = walk[n][h], h // (Hv // Hk), h0_from[n][h]
+                one = slice(w, eos)
+                h0 = (initial_state[src, h:h + 1][None]
+                      if initial_state is not None and src >= 0 else None)
+                _, _, o_nh, _, final_nh = self.fwd(
+                    q[:, one, hk:hk + 1], k[:, one, hk:hk + 1], v[:, one, h:h + 1],
+                    g[:, one, h:h + 1], beta[:, one, h:h + 1], scale=scale,
+                    initial_state=h0, cu_seqlens=None, cu_seqlens_cpu=None,
+                    output_final_state=True, output_h=False)
+                o[:, bos:eos, h] = o_nh[:, bos - w:, 0]
+                final[n, h] = final_nh[0, 0]
+        return g_cumsum, A, o, final
+
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale: float,
             initial_state, cu_seqlens, cu_seqlens_cpu):
         """See ``Kernels.bwd`` and :func:`chunk_gated_delta_rule_bwd_torch`."""

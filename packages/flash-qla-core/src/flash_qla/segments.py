@@ -17,25 +17,46 @@ the first when the backend offers ``fwd_prepared``), give the exact result:
 3. a short sequential scan over the segments of each sequence for the true
    ``S_in``, then the output pass from those states.
 
-No gate-driven truncation: the result equals the unsplit forward up to the rounding
-of the backend (its states pass through its GEMM dtype).
+With ``shortcut_bound`` 0 there is no gate-driven truncation: the result equals the
+unsplit forward up to the rounding of the backend (its states pass through its GEMM
+dtype).
+
+The bounded split (``shortcut_bound`` > 0, backends with ``fwd_warmup``) is one pass:
+segment s of head h starts its recurrence, from a zero state, at the latest chunk
+boundary ``c`` before it whose decay up to the segment, ``exp(sum of g over [c, start))``,
+is at or below the bound (:func:`warmup_starts`), and computes the chunks from ``c``
+to its start again as a warm-up, storing o only from its start on. What it drops is
+``M(c -> start) S(c)``, of norm at most ``bound * ||S(c)||``: each token's factor
+``exp(g_t) (I - beta_t k_t k_t^T)`` has norm at most ``exp(g_t)`` while
+``beta |k|^2 <= 2`` (L2-normalised keys, beta in [0, 1]) and g <= 0. Where the gates do
+not decay that far the walk reaches the sequence start (from its initial state): the
+exact recurrence, never an approximation; ``g = 0`` always walks the whole history.
+No host sync: the walks are computed on the device from the prepare's gate cumsum.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_SEGMENT_LEN", "fwd_with_segments", "host_bounds", "segment_bounds",
-           "segmented_fwd"]
+__all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "fwd_with_segments",
+           "host_bounds", "segment_bounds", "segmented_fwd", "warmup_fwd", "warmup_starts"]
 
 #: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``
 #: (the fastest of 1024 / 2048 / 4096 on every few-head shape measured on the H200,
 #: docs/perf-notes.md "v5").
 DEFAULT_SEGMENT_LEN = 4096
+
+#: Default ``segment_shortcut_bound``: what a segment's warm-up may drop, relative to the
+#: state it would have carried: 2^-9, below bf16's resolution (2^-8 relative).
+DEFAULT_SHORTCUT_BOUND = 2.0 ** -9
+
+#: Tokens per chunk of every backend (segments and walks move by whole chunks).
+CHUNK = 64
 
 
 def host_bounds(B: int, T: int, cu_seqlens: Tensor | None,
@@ -111,6 +132,11 @@ class _Plan:
     seg_j: Tensor           # [Nseg] long: each segment's position ...
     seg_n: Tensor           # [Nseg] long: ... and sequence
     ends: Tensor            # [N] long: segments per sequence
+    last_seg: Tensor        # [N] long: each sequence's last segment (0 if it has none)
+    chunk_last: Tensor      # [NC] long: last token of every chunk of every sequence
+    seg_chunk: Tensor       # [Nseg] long: global index of each segment's first chunk ...
+    seq_chunk: Tensor       # [Nseg] long: ... and of its sequence's first chunk
+    seq_bos: Tensor         # [Nseg] long: its sequence's first token
 
 
 @functools.lru_cache(maxsize=32)
@@ -124,11 +150,20 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
     slot = [first[n] + j if j < counts[n] else Nseg for j in range(J) for n in range(N)]
     seg_j = [j for n in range(N) for j in range(counts[n])]
     seg_n = [n for n in range(N) for _ in range(counts[n])]
-    index = _to_device(slot + seg_j + seg_n + counts, device, torch.long)
-    slot_t, seg_j_t, seg_n_t, ends = index.split([J * N, Nseg, Nseg, N])
+    last_seg = [max(first[n + 1] - 1, 0) for n in range(N)]
+    chunk_last, seq_first_chunk = [], []                  # the chunk grid of the sequences
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        seq_first_chunk.append(len(chunk_last))
+        chunk_last.extend(min(t + CHUNK, eos) - 1 for t in range(bos, eos, CHUNK))
+    seq_chunk = [seq_first_chunk[n] for n in seg_n]
+    seq_bos = [bounds[n] for n in seg_n]
+    seg_chunk = [seq_chunk[i] + (seg[i] - seq_bos[i]) // CHUNK for i in range(Nseg)]
+    sizes = [J * N, Nseg, Nseg, N, N, len(chunk_last), Nseg, Nseg, Nseg]
+    index = _to_device(slot + seg_j + seg_n + counts + last_seg + chunk_last + seg_chunk
+                       + seq_chunk + seq_bos, device, torch.long)
+    slot_t, *rest = index.split(sizes)
     return _Plan(N, Nseg, J, _to_device(seg, device, torch.int32),
-                 torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), seg_j_t, seg_n_t,
-                 ends)
+                 torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), *rest)
 
 
 def _scan(M: Tensor, L: Tensor, plan: _Plan, initial_state: Tensor | None,
@@ -194,22 +229,87 @@ def segmented_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Ten
     return g_cumsum, A, o, h, (final_state if output_final_state else None)
 
 
+def warmup_starts(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, Tensor]:
+    """Where each (segment, value head) of the bounded split starts its recurrence.
+
+    ``g_cumsum``: the chunk-local cumsum of the log gate, ``[..., T, Hv]`` fp32 (its
+    value at a chunk's last token is the chunk's total log decay). For the segment
+    starting at chunk b, the walk starts at the latest chunk c <= b of its sequence with
+    ``sum of the chunk decays over [c, b) <= log(bound)`` (P non-increasing, P[c] = the
+    decay before chunk c: the largest c with -P[c] <= -P[b] + log(bound), one
+    ``searchsorted`` per head), or at its sequence's first chunk when none decays that
+    far. A sequence's first segment starts at its own start.
+
+    Returns ``(walk, h0_from)``, ``[Nseg, Hv]`` int32 on the device: the first token of
+    each walk, and the sequence whose initial state it starts from (-1: a zero state, the
+    walk begins after its sequence's start). Device work only (no host sync). Gates
+    must be <= 0 (log decays, as everywhere); one above 0 counts as 0 (the bound then
+    does not hold for the walks over it).
+    """
+    Hv = g_cumsum.shape[-1]
+    decay = g_cumsum.reshape(-1, Hv)[plan.chunk_last].clamp(max=0.0)     # [NC,Hv]
+    P = torch.cat([decay.new_zeros(1, Hv, dtype=torch.float64),
+                   decay.double().cumsum(0)])                           # [NC+1,Hv]
+    rising = (-P).t().contiguous()                                      # [Hv,NC+1]
+    target = rising[:, plan.seg_chunk] + math.log(bound)                # [Hv,Nseg]
+    c = torch.searchsorted(rising, target, right=True) - 1              # [Hv,Nseg]
+    c = torch.maximum(c, plan.seq_chunk)                                 # in its sequence
+    walk = plan.seq_bos + (c - plan.seq_chunk) * CHUNK                   # [Hv,Nseg]
+    h0_from = torch.where(c == plan.seq_chunk, plan.seg_n, -1)           # [Hv,Nseg]
+    return (walk.t().to(torch.int32).contiguous(),
+            h0_from.t().to(torch.int32).contiguous())
+
+
+def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
+               bounds: list[int], output_final_state: bool, segment_len: int,
+               shortcut_bound: float):
+    """``Kernels.fwd`` contract (without h) by the bounded split, one pass of the
+    backend's ``fwd_warmup`` over all segments (module docstring). Arguments as
+    :func:`segmented_fwd`; ``shortcut_bound`` in (0, 1). Returns
+    ``(g_cumsum, A, o, None, final_state)``."""
+    plan = _plan(tuple(bounds), segment_len, q.device)
+    g_cumsum, A, o, final_seg = kernels.fwd_warmup(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
+        cu_seqlens_cpu=plan.cu_cpu,
+        starts=functools.partial(warmup_starts, plan=plan, bound=shortcut_bound))
+    final_state = None
+    if output_final_state:                             # the last segment's, per sequence
+        final_state = final_seg[plan.last_seg]                           # [N,Hv,K,V]
+        empty = (plan.ends == 0)[:, None, None, None]                    # no segment
+        fill = (final_state.new_zeros(()) if initial_state is None
+                else initial_state.to(final_state.dtype))
+        final_state = torch.where(empty, fill, final_state)
+    return g_cumsum, A, o, None, final_state
+
+
 def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
-                      cu_seqlens_cpu, output_final_state, output_h, segment_len: int):
+                      cu_seqlens_cpu, output_final_state, output_h, segment_len: int,
+                      shortcut_bound: float = 0.0):
     """``kernels.fwd`` (same arguments and returns) made segment-parallel; dense
-    ``[B, T]`` inputs are run as B packed sequences. Reads ``cu_seqlens`` on the host
-    (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host, so this
-    path cannot be captured in a CUDA graph (ValueError: its index tensors are staged
-    in host memory that a replay would read after it is reused)."""
+    ``[B, T]`` inputs are run as B packed sequences: the bounded split
+    (:func:`warmup_fwd`) when ``shortcut_bound`` > 0, the backend has ``fwd_warmup`` and
+    no h is asked for, else the exact one (:func:`segmented_fwd`). Reads ``cu_seqlens``
+    on the host (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host,
+    so this path cannot be captured in a CUDA graph (ValueError: its index tensors are
+    staged in host memory that a replay would read after it is reused)."""
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise ValueError(f"segment_len: expected None inside CUDA-graph capture (the "
                          f"segment split is planned on the host), got {segment_len}")
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    g_cumsum, A, o, h, final_state = segmented_fwd(
-        kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
-        output_final_state=output_final_state, output_h=output_h, segment_len=segment_len)
+    bounded = (shortcut_bound > 0 and not output_h and bounds[-1] > bounds[0]
+               and getattr(kernels, "fwd_warmup", None) is not None)
+    if bounded:
+        g_cumsum, A, o, h, final_state = warmup_fwd(
+            kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
+            output_final_state=output_final_state, segment_len=segment_len,
+            shortcut_bound=shortcut_bound)
+    else:
+        g_cumsum, A, o, h, final_state = segmented_fwd(
+            kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
+            output_final_state=output_final_state, output_h=output_h,
+            segment_len=segment_len)
     return (g_cumsum.reshape(B, T, *g_cumsum.shape[2:]), A.reshape(B, T, *A.shape[2:]),
             o.reshape(B, T, *o.shape[2:]),
             None if h is None else h.reshape(B, -1, *h.shape[2:]), final_state)

@@ -35,6 +35,14 @@ class Sm90Kernels:
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                          output_final_state=output_final_state, output_h=output_h)
 
+    def fwd_warmup(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
+                   cu_seqlens_cpu, starts):
+        from .forward import warmup_fwd
+
+        return warmup_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                          starts=starts)
+
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
             cu_seqlens_cpu):
         from .backward import chunk_bwd
@@ -43,11 +51,10 @@ class Sm90Kernels:
                          initial_state=initial_state, cu_seqlens=cu_seqlens,
                          cu_seqlens_cpu=cu_seqlens_cpu)
 
-
-    def plan_segment_len(self, bounds, Hv, K, V, device):
+    def plan_segment_len(self, bounds, Hv, K, V, device, bounded=False):
         from .forward import _sm_count, plan_segment_len
 
-        return plan_segment_len(bounds, Hv, K, V, _sm_count(device))
+        return plan_segment_len(bounds, Hv, K, V, _sm_count(device), bounded)
 
 
 def load() -> Sm90Kernels:

@@ -167,12 +167,39 @@ def predicted_fwd_us(lens: list[int], Hv: int, K: int, V: int, sm_count: int) ->
     return _fused_us(chunks, Hv, K, V, sm_count) + _prepare_us(chunks, Hv)
 
 
-def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
-                     sm_count: int) -> int | None:
-    """The automatic segment-parallelism choice (``auto_cp``): the segment length in
-    ``traits.SEGMENT_LENS`` whose predicted time beats the unsplit forward's by at
-    least ``traits.SEGMENT_MIN_GAIN``, or None (no split; also whenever
-    ``traits.SEGMENT_AUTO`` is off). ``bounds``: host sequence offsets ``[N + 1]``.
+def warmup_available(K: int, V: int) -> bool:
+    """Whether the bounded split's kernel (``chunk_fwd_ws`` with ``warmup``) runs these
+    head dims with the current traits."""
+    return (K, V) == (128, 128) and traits.FWD_TRANSPOSED and transposed_kernel() == "ws"
+
+
+def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> int | None:
+    """The bounded split's segment length (``traits.WARMUP_SEGMENT_LENS``), or None:
+    the shortest whose segments x Hv CTAs fit one wave, if its predicted time beats the
+    unsplit forward's by ``traits.SEGMENT_MIN_GAIN`` (traits: WARMUP_SEGMENT_LENS)."""
+    if not warmup_available(K, V):
+        return None
+    longest = max(lens, default=0)
+    chunks = [-(-n // CHUNK) for n in lens if n > 0]
+    unsplit = predicted_fwd_us(lens, Hv, K, V, sm_count)
+    for seg in traits.WARMUP_SEGMENT_LENS:
+        if seg >= longest:
+            return None                                   # splits nothing
+        if sum(-(-n // seg) for n in lens if n > 0) * Hv > sm_count:
+            continue                                      # more than one wave
+        us = ((seg // CHUNK + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
+              + _prepare_us(chunks, Hv) + traits.WARMUP_FIXED_US)
+        return seg if us < unsplit * (1 - traits.SEGMENT_MIN_GAIN) else None
+    return None
+
+
+def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int, sm_count: int,
+                     bounded: bool = False) -> int | None:
+    """The automatic segment-parallelism choice (``auto_cp``), or None (no split; also
+    whenever ``traits.SEGMENT_AUTO`` is off). ``bounds``: host sequence offsets
+    ``[N + 1]``. ``bounded``: for the one-pass bounded split (:func:`_plan_bounded`).
+    Else for the exact split: the length in ``traits.SEGMENT_LENS`` whose predicted
+    time beats the unsplit forward's by at least ``traits.SEGMENT_MIN_GAIN``.
 
     The split costs one prepare and three fused passes over all segments
     (``flash_qla.segments`` with ``fwd_prepared``: local states, transitions, output),
@@ -183,6 +210,10 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
         return None
     lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     longest = max(lens, default=0)
+    if bounded:
+        if longest <= min(traits.WARMUP_SEGMENT_LENS) or len(lens) * Hv >= sm_count:
+            return None                               # nothing to split / grid full
+        return _plan_bounded(lens, Hv, K, V, sm_count)
     if longest <= min(traits.SEGMENT_LENS):           # no length splits any sequence:
         return None                                   # O(N) host work per call, no more
     best = None
@@ -197,6 +228,13 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int,
         if us < best_us:
             best, best_us = seg, us
     return best
+
+
+@functools.lru_cache(maxsize=8)
+def _no_walk(device: torch.device) -> torch.Tensor:
+    """``[1, 1]`` int32: the ``walk`` / ``h0_from`` of a ws launch without warm-up (its
+    kernel never reads them)."""
+    return torch.zeros(1, 1, dtype=torch.int32, device=device)
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
@@ -219,13 +257,14 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
     if tiling is None:
         tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
+    walk = (_no_walk(q.device),) * 2 if tiling == "ws" else ()   # ws only: unread
     if tiling in TRANSPOSED_KERNELS:
         kernel = TRANSPOSED_KERNELS[tiling](_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
     else:
         kernel = chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)
     kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
-        h0, float(scale), o, final_state, h)
+        h0, float(scale), o, final_state, h, *walk)
     return o, final_state, (h if store_h else None)
 
 
@@ -263,20 +302,55 @@ def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
         output_final_state=output_final_state, output_h=output_h)
 
 
+def _prepare(k_p, g, beta_p, layout: ChunkLayout, alloc):
+    """The prepare kernel on packed k ``[Tt, Hk, K]``, g ``[B, T, Hv]``, beta_p
+    ``[Tt, Hv]`` fp32: returns g_cumsum ``[Tt, Hv]`` fp32 and A ``[Tt, Hv, C]``."""
+    Tt, Hv = beta_p.shape
+    g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
+    A = alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
+    prepare_kernel()(_DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
+        k_p, _packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
+        g_cumsum, A)
+    return g_cumsum, A
+
+
+def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+               starts):
+    """``Kernels.fwd_warmup``: the bounded segment split in one pass
+    (``flash_qla.segments.warmup_fwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
+    segments (``[Nseg + 1]``); ``starts(g_cumsum)`` gives each (segment, head)'s walk
+    start and initial-state row (``[Nseg, Hv]`` int32 each). Returns ``(g_cumsum
+    [B,T,Hv], A [B,T,Hv,C], o [B,T,Hv,V], final_state [Nseg,Hv,K,V])``, the final state
+    of every segment."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2:]
+    layout = layout_for(q, cu_seqlens)
+    alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
+    k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
+    g_cumsum, A = _prepare(k_p, g, beta_p, layout, alloc)
+    walk, h0_from = starts(g_cumsum)                             # [Nseg, Hv] int32 each
+    o = alloc(B * T, Hv, V, dtype=q.dtype, device=q.device)
+    final_state = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32,
+                              device=q.device)
+    has_h0 = initial_state is not None
+    h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
+    chunk_fwd_ws_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, False, True)(
+        _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout.cu_seqlens,
+        layout.chunk_offsets, h0, float(scale), o, final_state,
+        final_state[:1], walk, h0_from)
+    return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
+            final_state)
+
+
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               output_final_state, output_h):
     """Forward; returns (g_cumsum, A, o, h, final_state) (see Kernels.fwd)."""
     B, T, Hk, K = q.shape
     Hv = v.shape[2]
-    Tt = B * T
     layout = layout_for(q, cu_seqlens)
-    alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, Tt)
+    alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
     k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
-    g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
-    A = alloc(Tt, Hv, CHUNK, dtype=q.dtype, device=q.device)
-    prepare_kernel()(_DTYPE_NAMES[q.dtype], K)(
-        k_p, _packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
-        g_cumsum, A)
+    g_cumsum, A = _prepare(k_p, g, beta_p, layout, alloc)
     o, h, final_state = _fused_outputs(
         q, k_p, v, g_cumsum, beta_p, A, layout, alloc, scale=scale,
         initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,

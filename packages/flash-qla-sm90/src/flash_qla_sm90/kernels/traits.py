@@ -90,6 +90,20 @@ SEGMENT_SCAN_STEP_US = 45.0
 SEGMENT_FIXED_US = 730.0
 SEGMENT_MIN_GAIN = 0.05
 
+#: The bounded segment split (``forward.plan_segment_len(bounded=True)``, one pass of
+#: ``chunk_fwd_ws`` with ``warmup``; ``flash_qla.segments.warmup_fwd``): the segment
+#: lengths tried, shortest first. The planner takes the shortest whose segments x Hv
+#: CTAs fit one wave (one CTA per SM), so its worst case, gates that never decay to the
+#: bound (every walk back to its sequence start), costs about the unsplit ws pass; and
+#: only when its predicted time, ``(segment chunks + WARMUP_CHUNKS)`` ws chunk steps +
+#: the prepare + ``WARMUP_FIXED_US`` (the walk computation, ~8 small launches), beats
+#: the unsplit one by ``SEGMENT_MIN_GAIN``. WARMUP_CHUNKS is a typical walk at the
+#: benchmark's 'model' gates (per-token decays of 1e-3..1.6 (Qwen3-Next init): the
+#: slowest heads need ~4000 tokens to reach 2^-9, most far fewer); not yet fitted.
+WARMUP_SEGMENT_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+WARMUP_CHUNKS = 16
+WARMUP_FIXED_US = 60.0
+
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
 
