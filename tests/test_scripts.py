@@ -6,8 +6,8 @@ exist. The pure planning helpers of ``benchmark/common.py`` are checked without 
 """
 
 from __future__ import annotations
-import argparse
 
+import argparse
 import json
 import os
 import subprocess

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import doctest
-import math
 import functools
+import math
 
 import pytest
 import torch

@@ -71,8 +71,11 @@ def test_every_variant_is_listed_for_the_shipped_cache():
              for builder, args in variants()}
     fwd_tilings = 1 + traits.FWD_NARROW_TILING + traits.FWD_WIDE_TILING + traits.FWD_TRANSPOSED
     dh_tilings = 1 + traits.FWD_NARROW_TILING
-    # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, dh x has_dht x tiling, intra
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 2 * dh_tilings + 1)
+    warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # ws with warm-up
+    # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0,
+    # dh x has_dht x tiling, intra
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 2 * warmup
+                                               + 2 * dh_tilings + 1)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -89,7 +92,8 @@ def test_experimental_variants_add_the_kernels_that_are_off():
                 if b is chunk_fwd_t_kernel or b is chunk_fwd_ws_kernel}
 
     both = transposed(True)
-    assert len(both) == 2 * 4 * len(traits.DTYPES)          # kernel x has_h0 x store_h x dtype
+    # (kernel x has_h0 x store_h, + ws's warm-up x has_h0) x dtype
+    assert len(both) == (2 * 4 + 2) * len(traits.DTYPES)
     assert transposed(False) <= both
     builders = [b for b, _ in variants(True)]
     assert all(b in builders for b in PREPARE_KERNELS.values())      # both prepare kernels

@@ -43,8 +43,8 @@ def variants(experimental: bool = False):
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
-    from .chunk_prepare import PREPARE_KERNELS
     from .chunk_fwd_ws import chunk_fwd_ws_kernel
+    from .chunk_prepare import PREPARE_KERNELS
     from .forward import prepare_kernel_name
 
     tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
