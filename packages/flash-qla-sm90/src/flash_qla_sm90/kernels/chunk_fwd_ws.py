@@ -77,7 +77,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     ``final_state[n]`` is the segment's final state. Not with ``store_h``."""
     assert not (warmup and store_h), "the warm-up split keeps no chunk states"
     C = CHUNK
-    Tt, Hk, Hv, N, N1, NTh, NW, HW = T.dynamic("Tt, Hk, Hv, N, N1, NTh, NW, HW")
+    # N0: initial_state's rows (sequences; with ``warmup`` N counts segments)
+    Tt, Hk, Hv, N, N0, N1, NTh, NW, HW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW, HW")
     f32 = "float32"
 
     @T.macro
@@ -109,7 +110,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         A: T.Tensor((Tt, Hv, C), dtype),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
-        initial_state: T.Tensor((N, Hv, K, V), f32),
+        initial_state: T.Tensor((N0, Hv, K, V), f32),
         scale: T.float32,
         o: T.Tensor((Tt, Hv, V), dtype),
         final_state: T.Tensor((N, Hv, K, V), f32),
