@@ -203,3 +203,34 @@ def test_bounded_split_drops_history_where_the_gates_decay():
     walk, h0_from = _starts_of(g, bounds, 64, 2.0 ** -9)
     assert any(f < 0 for row in h0_from for f in row)
     assert all(w % 64 == 0 for row in walk for w in row)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_warmup_starts_match_a_walk_chunk_by_chunk(seed):
+    """warmup_starts (one searchsorted per head) against walking back chunk by chunk,
+    on random lengths (empty, short, tails), gates and bounds."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 900, (5,), generator=gen).tolist()
+    lens[seed % 5] = 0
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    Hv = 3
+    g = -torch.rand(1, bounds[-1], Hv, generator=gen, dtype=torch.float64) * 0.1
+    bound = math.exp(-float(torch.rand((), generator=gen)) * 8 - 0.5)
+    segment_len = 64 * int(torch.randint(1, 4, (), generator=gen))
+    walk, h0_from = _starts_of(g, bounds, segment_len, bound)
+    seg, _ = segments.segment_bounds(bounds, segment_len)
+    expected_walk, expected_from = [], []
+    for s_bos in seg[:-1]:
+        n = max(i for i in range(len(lens)) if bounds[i] <= s_bos and lens[i] > 0)
+        row_w, row_f = [], []
+        for h in range(Hv):
+            w, acc = s_bos, 0.0
+            while w > bounds[n] and acc > math.log(bound):
+                w -= 64
+                acc += float(g[0, w:w + 64, h].sum())
+            row_w.append(w)
+            row_f.append(n if w == bounds[n] else -1)
+        expected_walk.append(row_w)
+        expected_from.append(row_f)
+    assert walk == expected_walk
+    assert h0_from == expected_from

@@ -142,7 +142,8 @@ def test_segment_plan_splits_only_few_head_long_sequences(monkeypatch):
 def test_bounded_plan_fills_one_wave(monkeypatch):
     """The bounded split's plan: the shortest segment length whose segments x Hv CTAs
     fit one wave of 132 SMs, for few (sequence, head) pairs; nothing where the grid
-    already fills the GPU or no sequence is longer than the shortest length."""
+    already fills the GPU, no sequence is longer than the shortest length, or the
+    unsplit forward is about as fast as the split's host floor (traits.WARMUP_HOST_US)."""
     from flash_qla_sm90.kernels import forward, traits
 
     monkeypatch.setattr(traits, "SEGMENT_AUTO", True)
@@ -154,7 +155,8 @@ def test_bounded_plan_fills_one_wave(monkeypatch):
     assert plan([0, 32768], 16) == 4096
     assert plan([0, 32768], 4) == 1024
     assert plan([0, 32768], 64) == 16384               # 64 pairs -> 128 CTAs
-    assert plan([0, 8192], 8) == 512
+    assert plan([0, 16384], 8) == 1024
+    assert plan([0, 8192], 8) is None                  # ~0.5 ms: below the host floor
     assert plan([0, 60000, 60007, 60307], 4) == 2048   # 30 + 1 + 1 segments x 4
     for bounds, Hv in (([b * 4096 for b in range(9)], 32), ([0, 32768], 132),
                        ([0, 512], 8), ([0, 0], 8), ([0], 8)):

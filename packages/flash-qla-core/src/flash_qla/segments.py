@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "fwd_with_segments",
@@ -134,9 +135,10 @@ class _Plan:
     ends: Tensor            # [N] long: segments per sequence
     last_seg: Tensor        # [N] long: each sequence's last segment (0 if it has none)
     chunk_last: Tensor      # [NC] long: last token of every chunk of every sequence
-    seg_chunk: Tensor       # [Nseg] long: global index of each segment's first chunk ...
-    seq_chunk: Tensor       # [Nseg] long: ... and of its sequence's first chunk
-    seq_bos: Tensor         # [Nseg] long: its sequence's first token
+    seg_chunk: Tensor       # [Nseg] long: global index of each segment's first chunk
+    seq_chunk1: Tensor      # [Nseg] long: 1 + that of its sequence's first chunk
+    walk_off: Tensor        # [Nseg] long: its sequence's first token - C * seq_chunk1
+    any_empty: bool         # a sequence without tokens (its final state is h0 or 0)
 
 
 @functools.lru_cache(maxsize=32)
@@ -155,15 +157,17 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
     for bos, eos in zip(bounds[:-1], bounds[1:]):
         seq_first_chunk.append(len(chunk_last))
         chunk_last.extend(min(t + CHUNK, eos) - 1 for t in range(bos, eos, CHUNK))
-    seq_chunk = [seq_first_chunk[n] for n in seg_n]
+    seq_chunk1 = [seq_first_chunk[n] + 1 for n in seg_n]
     seq_bos = [bounds[n] for n in seg_n]
-    seg_chunk = [seq_chunk[i] + (seg[i] - seq_bos[i]) // CHUNK for i in range(Nseg)]
+    seg_chunk = [seq_chunk1[i] - 1 + (seg[i] - seq_bos[i]) // CHUNK for i in range(Nseg)]
+    walk_off = [seq_bos[i] - CHUNK * seq_chunk1[i] for i in range(Nseg)]
     sizes = [J * N, Nseg, Nseg, N, N, len(chunk_last), Nseg, Nseg, Nseg]
     index = _to_device(slot + seg_j + seg_n + counts + last_seg + chunk_last + seg_chunk
-                       + seq_chunk + seq_bos, device, torch.long)
+                       + seq_chunk1 + walk_off, device, torch.long)
     slot_t, *rest = index.split(sizes)
     return _Plan(N, Nseg, J, _to_device(seg, device, torch.int32),
-                 torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), *rest)
+                 torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), *rest,
+                 any_empty=min(counts, default=0) == 0)
 
 
 def _scan(M: Tensor, L: Tensor, plan: _Plan, initial_state: Tensor | None,
@@ -246,18 +250,19 @@ def warmup_starts(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, 
     must be <= 0 (log decays, as everywhere); one above 0 counts as 0 (the bound then
     does not hold for the walks over it).
     """
+    # a dozen small launches, no more: this runs on every call's host path
     Hv = g_cumsum.shape[-1]
-    decay = g_cumsum.reshape(-1, Hv)[plan.chunk_last].clamp(max=0.0)     # [NC,Hv]
-    P = torch.cat([decay.new_zeros(1, Hv, dtype=torch.float64),
-                   decay.double().cumsum(0)])                           # [NC+1,Hv]
-    rising = (-P).t().contiguous()                                      # [Hv,NC+1]
-    target = rising[:, plan.seg_chunk] + math.log(bound)                # [Hv,Nseg]
-    c = torch.searchsorted(rising, target, right=True) - 1              # [Hv,Nseg]
-    c = torch.maximum(c, plan.seq_chunk)                                 # in its sequence
-    walk = plan.seq_bos + (c - plan.seq_chunk) * CHUNK                   # [Hv,Nseg]
-    h0_from = torch.where(c == plan.seq_chunk, plan.seg_n, -1)           # [Hv,Nseg]
-    return (walk.t().to(torch.int32).contiguous(),
-            h0_from.t().to(torch.int32).contiguous())
+    decay = g_cumsum.reshape(-1, Hv).index_select(0, plan.chunk_last).t()  # [Hv,NC]
+    rising = F.pad(torch.cumsum(decay.clamp(max=0.0), 1, dtype=torch.float64).neg_(),
+                   (1, 0))                                      # [Hv,NC+1]: -P, from 0
+    target = rising.index_select(1, plan.seg_chunk).add_(math.log(bound))  # [Hv,Nseg]
+    c1 = torch.searchsorted(rising, target, right=True)         # c + 1 (count <= target)
+    c1 = torch.maximum(c1, plan.seq_chunk1)                      # in its sequence
+    walk = c1.new_empty(c1.shape[::-1], dtype=torch.int32)      # [Nseg,Hv]
+    walk.t().copy_(torch.add(plan.walk_off, c1, alpha=CHUNK))   # bos + C (c - first)
+    h0_from = torch.empty_like(walk)
+    h0_from.t().copy_(torch.where(c1 == plan.seq_chunk1, plan.seg_n, -1))
+    return walk, h0_from
 
 
 def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
@@ -274,11 +279,12 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
         starts=functools.partial(warmup_starts, plan=plan, bound=shortcut_bound))
     final_state = None
     if output_final_state:                             # the last segment's, per sequence
-        final_state = final_seg[plan.last_seg]                           # [N,Hv,K,V]
-        empty = (plan.ends == 0)[:, None, None, None]                    # no segment
-        fill = (final_state.new_zeros(()) if initial_state is None
-                else initial_state.to(final_state.dtype))
-        final_state = torch.where(empty, fill, final_state)
+        final_state = final_seg.index_select(0, plan.last_seg)           # [N,Hv,K,V]
+        if plan.any_empty:                             # no segment: h0 (or zeros) as is
+            empty = (plan.ends == 0)[:, None, None, None]
+            fill = (final_state.new_zeros(()) if initial_state is None
+                    else initial_state.to(final_state.dtype))
+            final_state = torch.where(empty, fill, final_state)
     return g_cumsum, A, o, None, final_state
 
 

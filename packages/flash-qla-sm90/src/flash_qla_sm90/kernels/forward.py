@@ -175,8 +175,9 @@ def warmup_available(K: int, V: int) -> bool:
 
 def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> int | None:
     """The bounded split's segment length (``traits.WARMUP_SEGMENT_LENS``), or None:
-    the shortest whose segments x Hv CTAs fit one wave, if its predicted time beats the
-    unsplit forward's by ``traits.SEGMENT_MIN_GAIN`` (traits: WARMUP_SEGMENT_LENS)."""
+    the shortest whose segments x Hv CTAs fit one wave, if its predicted time (at least
+    ``traits.WARMUP_HOST_US``) beats the unsplit forward's by
+    ``traits.SEGMENT_MIN_GAIN`` (traits: WARMUP_SEGMENT_LENS)."""
     if not warmup_available(K, V):
         return None
     longest = max(lens, default=0)
@@ -187,8 +188,9 @@ def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> in
             return None                                   # splits nothing
         if sum(-(-n // seg) for n in lens if n > 0) * Hv > sm_count:
             continue                                      # more than one wave
-        us = ((seg // CHUNK + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
-              + _prepare_us(chunks, Hv) + traits.WARMUP_FIXED_US)
+        gpu = ((seg // CHUNK + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
+               + _prepare_us(chunks, Hv))
+        us = max(gpu, traits.WARMUP_HOST_US)          # an eager call is host-bound below
         return seg if us < unsplit * (1 - traits.SEGMENT_MIN_GAIN) else None
     return None
 

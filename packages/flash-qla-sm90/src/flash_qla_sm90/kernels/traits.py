@@ -95,14 +95,17 @@ SEGMENT_MIN_GAIN = 0.05
 #: lengths tried, shortest first. The planner takes the shortest whose segments x Hv
 #: CTAs fit one wave (one CTA per SM), so its worst case, gates that never decay to the
 #: bound (every walk back to its sequence start), costs about the unsplit ws pass; and
-#: only when its predicted time, ``(segment chunks + WARMUP_CHUNKS)`` ws chunk steps +
-#: the prepare + ``WARMUP_FIXED_US`` (the walk computation, ~8 small launches), beats
-#: the unsplit one by ``SEGMENT_MIN_GAIN``. WARMUP_CHUNKS is a typical walk at the
-#: benchmark's 'model' gates (per-token decays of 1e-3..1.6 (Qwen3-Next init): the
-#: slowest heads need ~4000 tokens to reach 2^-9, most far fewer); not yet fitted.
+#: only when its predicted time beats the unsplit one by ``SEGMENT_MIN_GAIN``: the GPU
+#: time, ``(segment chunks + WARMUP_CHUNKS)`` ws chunk steps + the prepare, but at
+#: least ``WARMUP_HOST_US``, the host time of an eager bounded-split call (the API, ~20
+#: small torch launches of the walk starts, two TileLang launches). WARMUP_CHUNKS: a
+#: typical walk at the benchmark's 'model' gates (Qwen3-Next init: the slowest heads
+#: need ~4000 tokens to decay to 2^-9, most far fewer). H200, 2026-11-30 (sixth session,
+#: call 3): 2/8 1x8192 split at 512 took 0.588 ms against 0.505 unsplit, the 1x32768
+#: rows 0.58-0.67 ms (FLA 0.85-1.31) where the GPU work alone is ~0.3-0.6 ms: host-bound.
 WARMUP_SEGMENT_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 WARMUP_CHUNKS = 16
-WARMUP_FIXED_US = 60.0
+WARMUP_HOST_US = 600.0
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
