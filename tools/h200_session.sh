@@ -117,7 +117,8 @@ if has ncu; then
   fi
 fi
 if has fla; then
-  timeout "$(cap 200)" $B --mode fwd --peers fla --tag H200-fla --deadline-s 170 \
+  timeout "$(cap "${FLA_TIMEOUT:-200}")" $B --mode fwd --peers fla --tag H200-fla \
+    --deadline-s $(( ${FLA_TIMEOUT:-200} - 30 )) \
     --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
