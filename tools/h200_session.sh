@@ -118,7 +118,7 @@ if has ncu; then
 fi
 if has fla; then
   timeout "$(cap "${FLA_TIMEOUT:-200}")" $B --mode fwd --peers fla --tag H200-fla \
-    --deadline-s $(( ${FLA_TIMEOUT:-200} - 30 )) \
+    --deadline-s $(( ${FLA_TIMEOUT:-200} - 70 )) \
     --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
