@@ -190,3 +190,28 @@ def test_segment_len_option():
     assert C.segment_len_arg("off") == "off"
     with pytest.raises(argparse.ArgumentTypeError, match="'off'"):
         C.segment_len_arg("auto")
+
+
+def test_segment_cost_fit_reproduces_the_traits():
+    """fit_segment_cost.py on the committed H200 rows the traits were fitted from gives
+    the traits' exact-split constants back, and a host floor for the bounded split."""
+    res = os.path.join(REPO, "benchmark", "results")
+    exact = [os.path.join(res, "H200-v5-2026-11-30", "call3", f"H200-seg-{n}.json")
+             for n in (1024, 2048, 4096)]
+    bounded = [os.path.join(res, "H200-v6-2026-11-30", "call4", "H200-fla.json")]
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "fit_segment_cost.py"),
+         "--exact", *exact, "--bounded", *bounded],
+        capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "SEGMENT_SCAN_STEP_US = 45.1, SEGMENT_FIXED_US = 730" in out
+    floor = int(out.split("WARMUP_HOST_US = ")[1].split()[0])
+    assert 400 < floor < 700
+
+
+def test_segment_cost_fit_doctest():
+    import doctest
+
+    sys.path.insert(0, os.path.join(REPO, "benchmark"))
+    import fit_segment_cost
+
+    assert doctest.testmod(fit_segment_cost).failed == 0

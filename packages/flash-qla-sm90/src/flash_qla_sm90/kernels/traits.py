@@ -83,7 +83,8 @@ PREPARE_US_PER_CHUNK_HEAD = 0.016
 #: not tried: in that call they lost to 4096 on every shape, and to no split on most.
 #: Call 4 (plans cached per lengths) measured the split 25-46% faster than unsplit on
 #: those rows: the fixed cost fitted before the cache is now an overestimate, which
-#: keeps the planner conservative (docs/perf-notes.md, "v5").
+#: keeps the planner conservative (docs/perf-notes.md, "v5"). Refit with
+#: ``benchmark/fit_segment_cost.py --exact <result JSONs>``.
 SEGMENT_AUTO = True
 SEGMENT_LENS = (4096, 8192)
 SEGMENT_SCAN_STEP_US = 45.0
@@ -102,7 +103,9 @@ SEGMENT_MIN_GAIN = 0.05
 #: typical walk at the benchmark's 'model' gates (Qwen3-Next init: the slowest heads
 #: need ~4000 tokens to decay to 2^-9, most far fewer). H200, 2026-11-30 (sixth session,
 #: call 3): 2/8 1x8192 split at 512 took 0.588 ms against 0.505 unsplit, the 1x32768
-#: rows 0.58-0.67 ms (FLA 0.85-1.31) where the GPU work alone is ~0.3-0.6 ms: host-bound.
+#: rows 0.58-0.67 ms (FLA 0.85-1.31) where the GPU work alone is ~0.3-0.6 ms: host-bound;
+#: after the host cuts (call 4) 0.48-0.60 on five rows. Refit WARMUP_HOST_US with
+#: ``benchmark/fit_segment_cost.py --bounded <result JSONs>``.
 WARMUP_SEGMENT_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 WARMUP_CHUNKS = 16
 WARMUP_HOST_US = 600.0
