@@ -533,13 +533,18 @@ def test_gradients_through_a_split_forward():
     assert too_large(errors(actual, expected), FP64_TOL) == {}
 
 
-def test_numpy_integer_segment_len_is_accepted():
-    """A segment length from numpy arithmetic (np.int64) splits like the same int."""
+def test_integer_scalar_segment_len_is_accepted():
+    """A segment length from numpy or torch arithmetic (np.int64, a 0-d integer tensor)
+    splits like the same int; a float tensor or a bool is a TypeError showing it."""
     np = pytest.importorskip("numpy")
     inputs = make_inputs(VARLEN)
-    ours = run_api(inputs, VARLEN, segment_len=np.int64(64))
     ref = run_api(inputs, VARLEN, segment_len=64)
-    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    for scalar in (np.int64(64), torch.tensor(64)):
+        ours = run_api(inputs, VARLEN, segment_len=scalar)
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    for bad in (torch.tensor(64.0), True):
+        with pytest.raises(TypeError, match=r"segment_len: expected an int .* got \w+ "):
+            run_api(inputs, VARLEN, segment_len=bad)
 
 
 @pytest.mark.parametrize("bound, error", [(-0.1, ValueError), (1.0, ValueError),

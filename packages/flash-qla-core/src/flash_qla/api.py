@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +124,7 @@ def _check_shortcut_bound(bound) -> float:
     """``segment_shortcut_bound``: a real number in [0, 1)."""
     if isinstance(bound, bool) or not isinstance(bound, numbers.Real):
         raise TypeError(f"segment_shortcut_bound: expected a float in [0, 1), got "
-                        f"{type(bound).__name__}")
+                        f"{type(bound).__name__} {bound!r}")
     if not 0 <= bound < 1:
         raise ValueError(f"segment_shortcut_bound: expected a float in [0, 1), got {bound}")
     return float(bound)
@@ -134,10 +135,13 @@ def _resolve_segment_len(force_intra_cp: bool | None, segment_len: int | None) -
     validation.check_bool("force_intra_cp", force_intra_cp, optional=True)
     if segment_len is None:
         return DEFAULT_SEGMENT_LEN if force_intra_cp else None
-    if isinstance(segment_len, bool) or not isinstance(segment_len, numbers.Integral):
+    try:                                 # ints, numpy / torch integer scalars; no bool
+        if isinstance(segment_len, bool):
+            raise TypeError
+        segment_len = operator.index(segment_len)
+    except TypeError:
         raise TypeError(f"segment_len: expected an int (tokens per segment) or None, got "
-                        f"{type(segment_len).__name__}")
-    segment_len = int(segment_len)                    # numpy / torch integer scalars too
+                        f"{type(segment_len).__name__} {segment_len!r}") from None
     if segment_len <= 0 or segment_len % SEGMENT_MULTIPLE:
         raise ValueError(f"segment_len: expected a positive multiple of the chunk size "
                          f"{SEGMENT_MULTIPLE}, got {segment_len}")
@@ -312,7 +316,8 @@ def chunk_gated_delta_rule(
         segment_len: tokens per segment (a positive multiple of 64) of the segment-
             parallel forward (:mod:`flash_qla.segments`). None (default): no split
             (unless ``auto_cp``). With ``segment_shortcut_bound`` > 0 on a backend
-            that has it (sm90), the bounded split: one pass, each segment rebuilding
+            that has it (sm90; the torch backend as its slow reference, one call per
+            segment and head), the bounded split: one pass, each segment rebuilding
             its start state by re-walking the chunks before it back to where their
             decay reaches the bound (or to its sequence's start); else the exact split
             (three passes and a scan over segment transitions). The backward is

@@ -1,4 +1,5 @@
-"""Exact segment (intra-sequence) parallelism of the forward, on any backend's kernels.
+"""Segment (intra-sequence) parallelism of the forward: exact on any backend's kernels,
+or bounded in one pass on backends with ``fwd_warmup``.
 
 A sequence of many chunks walks its chunks serially: with few sequences x few heads
 most SMs idle. Split every sequence into segments of ``segment_len`` tokens (a
