@@ -234,3 +234,41 @@ def test_warmup_starts_match_a_walk_chunk_by_chunk(seed):
         expected_from.append(row_f)
     assert walk == expected_walk
     assert h0_from == expected_from
+
+
+def _ends_of(g, bounds, segment_len, bound):
+    args, kw = _chunk_cumsum_args(g, bounds)
+    gc = TORCH_KERNELS.fwd(*args, **kw)[0]
+    plan = segments._plan(tuple(bounds), segment_len, g.device)
+    return [x.tolist() for x in segments.warmup_ends(gc, plan, bound)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_warmup_ends_match_a_walk_chunk_by_chunk(seed):
+    """warmup_ends (the backward's reverse walks) against walking forward chunk by
+    chunk from each segment's end, on random lengths, gates and bounds."""
+    gen = torch.Generator().manual_seed(seed + 10)
+    lens = torch.randint(0, 900, (5,), generator=gen).tolist()
+    lens[seed % 5] = 0
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    Hv = 3
+    g = -torch.rand(1, bounds[-1], Hv, generator=gen, dtype=torch.float64) * 0.1
+    bound = math.exp(-float(torch.rand((), generator=gen)) * 8 - 0.5)
+    segment_len = 64 * int(torch.randint(1, 4, (), generator=gen))
+    walk_end, dht_from = _ends_of(g, bounds, segment_len, bound)
+    seg, _ = segments.segment_bounds(bounds, segment_len)
+    expected_end, expected_from = [], []
+    for s_bos, s_eos in zip(seg[:-1], seg[1:]):
+        n = max(i for i in range(len(lens)) if bounds[i] <= s_bos and lens[i] > 0)
+        row_e, row_f = [], []
+        for h in range(Hv):
+            e, acc = s_eos, 0.0
+            while e < bounds[n + 1] and acc > math.log(bound):
+                acc += float(g[0, e:e + 64, h].sum())
+                e = min(e + 64, bounds[n + 1])
+            row_e.append(e)
+            row_f.append(n if e == bounds[n + 1] else -1)
+        expected_end.append(row_e)
+        expected_from.append(row_f)
+    assert walk_end == expected_end
+    assert dht_from == expected_from

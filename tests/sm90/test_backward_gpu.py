@@ -32,13 +32,14 @@ BWD_CASES = [
 ]
 
 
-def _grads(inp, backend=None, seed=11, do_padding=None):
+def _grads(inp, backend=None, seed=11, do_padding=None, **kwargs):
     """Gradients of every input under random dO and dht; ``do_padding`` fills dO's rows
-    after cu_seqlens[-1] (padding tokens) with that value."""
+    after cu_seqlens[-1] (padding tokens) with that value; ``kwargs`` go to the API."""
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inp.items()
               if n != "cu_seqlens" and t is not None}
     o, final = flash_qla.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
-                                                output_final_state=True, backend=backend)
+                                                output_final_state=True, backend=backend,
+                                                **kwargs)
     gen = torch.Generator(device=o.device).manual_seed(seed)
     do = torch.randn(o.shape, generator=gen, device=o.device, dtype=torch.float32)
     dht = torch.randn(final.shape, generator=gen, device=o.device)
@@ -65,6 +66,30 @@ def test_gradients_match_recurrence(case):
     for name, tol in TOL.items():
         if name in ref:
             assert rel_l2(ours[name], ref[name]) < tol, name
+
+
+BOUNDED_BWD_CASES = [
+    (Case(1, 8192, 2, 4), 1024),                           # typical decay: walks short
+    (Case(1, 4096, 4, 4, gate="strong"), 512),
+    (_varlen([3000, 7, 300, 1200], 2, 4, gate="zero"), 1024),  # walks to the ends
+    (_varlen([0, 3000, 64, 1], 1, 2, pad=3), 512),
+]
+
+
+@pytest.mark.parametrize("case, segment_len", BOUNDED_BWD_CASES,
+                         ids=[f"{c.id}-seg{s}" for c, s in BOUNDED_BWD_CASES])
+def test_bounded_split_gradients_match_recurrence(case, segment_len):
+    """The bounded split's backward (chunk states by the warm-up forward, dS by
+    chunk_bwd_dh's reverse warm-up walks) against autograd through the fp64 recurrence,
+    and against the unsplit backward on the same inputs."""
+    inp = make_inputs(case, seed=4)
+    ours, do, dht = _grads(inp, segment_len=segment_len)
+    unsplit, _, _ = _grads(inp, auto_cp=False)
+    ref = _reference_grads(inp, do, dht)
+    for name, tol in TOL.items():
+        if name in ref:
+            assert rel_l2(ours[name], ref[name]) < tol, name
+            assert rel_l2(ours[name], unsplit[name]) < tol, name
 
 
 def test_gradients_deterministic():

@@ -71,11 +71,11 @@ def test_every_variant_is_listed_for_the_shipped_cache():
              for builder, args in variants()}
     fwd_tilings = 1 + traits.FWD_NARROW_TILING + traits.FWD_WIDE_TILING + traits.FWD_TRANSPOSED
     dh_tilings = 1 + traits.FWD_NARROW_TILING
-    warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # ws with warm-up
-    # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0,
-    # dh x has_dht x tiling, intra
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 2 * warmup
-                                               + 2 * dh_tilings + 1)
+    warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # the bounded split
+    # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0
+    # x store_h, dh x has_dht x tiling, the warm-up dh x has_dht x 2 tilings, intra
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 4 * warmup
+                                               + 2 * dh_tilings + 4 * warmup + 1)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -92,8 +92,8 @@ def test_experimental_variants_add_the_kernels_that_are_off():
                 if b is chunk_fwd_t_kernel or b is chunk_fwd_ws_kernel}
 
     both = transposed(True)
-    # (kernel x has_h0 x store_h, + ws's warm-up x has_h0) x dtype
-    assert len(both) == (2 * 4 + 2) * len(traits.DTYPES)
+    # (kernel x has_h0 x store_h, + ws's warm-up x has_h0 x store_h) x dtype
+    assert len(both) == (2 * 4 + 4) * len(traits.DTYPES)
     assert transposed(False) <= both
     builders = [b for b, _ in variants(True)]
     assert all(b in builders for b in PREPARE_KERNELS.values())      # both prepare kernels
@@ -141,7 +141,7 @@ def _ptxas_report(src: str, tmp_path) -> str:
 
 
 @pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_dh",
-                                    "bwd_intra"])
+                                    "bwd_dh_warmup", "bwd_intra"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
     ("wgmma.mma_async instructions are serialized"), which makes every 16-deep step wait
@@ -161,6 +161,7 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
         "fwd_ws_warmup": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, False, True)),
         "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
+        "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
     }[kernel]
     report = _ptxas_report(_source(builder, *args), tmp_path)
@@ -186,7 +187,8 @@ def test_backward_intra_kernel_compiles_to_wgmma(dtype):
 
 
 # Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
-_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "walk", "h0_from"}
+_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "walk", "h0_from", "walk_end",
+          "dht_from"}
 
 
 def _global_accesses(src: str):
@@ -208,7 +210,8 @@ def _global_accesses(src: str):
 
 
 @pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws",
-                                    "fwd_ws_warmup", "bwd_dh", "bwd_intra"])
+                                    "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh",
+                                    "bwd_dh_warmup", "bwd_intra"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
@@ -229,7 +232,9 @@ def test_global_indexing_is_64_bit(kernel):
         "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, True)),
         "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, True)),
         "fwd_ws_warmup": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, False, True)),
+        "fwd_ws_warmup_h": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, True, True)),
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
+        "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
     }[kernel]
     accesses = [(p, e) for p, e in _global_accesses(_source(builder, *args)) if p not in _SMALL]

@@ -46,6 +46,8 @@ from flash_qla.segments import (
     DEFAULT_SHORTCUT_BOUND,
     fwd_with_segments,
     host_bounds,
+    uses_warmup,
+    warmup_bwd,
 )
 
 #: segment_len must keep chunk boundaries in place: a multiple of every backend's C.
@@ -221,6 +223,10 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             output_final_state=output_final_state, output_h=False)
         ctx.save_for_backward(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens)
         ctx.scale, ctx.kernels, ctx.cu_seqlens_cpu = scale, kernels, cu_seqlens_cpu
+        # the bounded split's backward where the backend has one (else the exact one)
+        ctx.warmup = ((segment_len, shortcut_bound)
+                      if uses_warmup(kernels, segment_len, shortcut_bound)
+                      and getattr(kernels, "bwd_warmup", None) is not None else None)
         ctx.g_dtype = g.dtype
         ctx.set_materialize_grads(False)
         return o, final_state
@@ -231,7 +237,11 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         if do is None:                                                # o unused
             do = torch.zeros_like(v, dtype=q.dtype)                   # [B,T,Hv,V]
         do, dht = _contiguous(do, dht)
-        dq, dk, dv, dbeta, dg, dh0 = ctx.kernels.bwd(
+        bwd = ctx.kernels.bwd
+        if ctx.warmup is not None and not validation.is_capturing(q.device):
+            bwd = functools.partial(warmup_bwd, ctx.kernels, segment_len=ctx.warmup[0],
+                                    shortcut_bound=ctx.warmup[1])
+        dq, dk, dv, dbeta, dg, dh0 = bwd(
             q, k, v, g_cumsum, beta, A, do, dht=dht, scale=ctx.scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu)

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "fwd_with_segments",
-           "host_bounds", "segment_bounds", "segmented_fwd", "warmup_fwd", "warmup_starts"]
+           "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "warmup_bwd",
+           "warmup_ends", "warmup_fwd", "warmup_starts"]
 
 #: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``
 #: (the fastest of 1024 / 2048 / 4096 on every few-head shape measured on the H200,
@@ -139,6 +140,10 @@ class _Plan:
     seg_chunk: Tensor       # [Nseg] long: global index of each segment's first chunk
     seq_chunk1: Tensor      # [Nseg] long: 1 + that of its sequence's first chunk
     walk_off: Tensor        # [Nseg] long: its sequence's first token - C * seq_chunk1
+    seg_chunk_end: Tensor   # [Nseg] long: global index of the chunk after the segment
+    seq_chunk_end: Tensor   # [Nseg] long: ... and after its sequence
+    seq_eos: Tensor         # [Nseg] long: its sequence's end token
+    first_seg: Tensor       # [N] long: each sequence's first segment (0 if it has none)
     any_empty: bool         # a sequence without tokens (its final state is h0 or 0)
 
 
@@ -162,9 +167,15 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
     seq_bos = [bounds[n] for n in seg_n]
     seg_chunk = [seq_chunk1[i] - 1 + (seg[i] - seq_bos[i]) // CHUNK for i in range(Nseg)]
     walk_off = [seq_bos[i] - CHUNK * seq_chunk1[i] for i in range(Nseg)]
-    sizes = [J * N, Nseg, Nseg, N, N, len(chunk_last), Nseg, Nseg, Nseg]
+    seg_chunk_end = [seg_chunk[i] + -(-(seg[i + 1] - seg[i]) // CHUNK) for i in range(Nseg)]
+    seq_first_chunk.append(len(chunk_last))
+    seq_chunk_end = [seq_first_chunk[n + 1] for n in seg_n]
+    seq_eos = [bounds[n + 1] for n in seg_n]
+    first_seg = [first[n] if counts[n] else 0 for n in range(N)]
+    sizes = [J * N, Nseg, Nseg, N, N, len(chunk_last), Nseg, Nseg, Nseg, Nseg, Nseg, Nseg, N]
     index = _to_device(slot + seg_j + seg_n + counts + last_seg + chunk_last + seg_chunk
-                       + seq_chunk1 + walk_off, device, torch.long)
+                       + seq_chunk1 + walk_off + seg_chunk_end + seq_chunk_end + seq_eos
+                       + first_seg, device, torch.long)
     slot_t, *rest = index.split(sizes)
     return _Plan(N, Nseg, J, _to_device(seg, device, torch.int32),
                  torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), *rest,
@@ -234,6 +245,40 @@ def segmented_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Ten
     return g_cumsum, A, o, h, (final_state if output_final_state else None)
 
 
+def _decay_before(g_cumsum: Tensor, plan: _Plan) -> Tensor:
+    """``-P`` ``[Hv, NC + 1]`` fp64, non-decreasing per head: minus the log decay of all
+    chunks before each chunk boundary (chunk totals from the chunk-local cumsum ``[...,
+    T, Hv]``; gates above 0 count as 0)."""
+    Hv = g_cumsum.shape[-1]
+    decay = g_cumsum.reshape(-1, Hv).index_select(0, plan.chunk_last).t()  # [Hv,NC]
+    return F.pad(torch.cumsum(decay.clamp(max=0.0), 1, dtype=torch.float64).neg_(), (1, 0))
+
+
+def warmup_ends(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, Tensor]:
+    """Where each (segment, value head) of the bounded split's backward starts its
+    reverse sweep: the mirror of :func:`warmup_starts`. dS at a segment's end collects
+    what comes after it through the transposed transitions, whose norm is at most the
+    decay in between, so the sweep starts at the first chunk boundary e at or after the
+    segment's end with ``sum of the chunk decays over [end, e) <= log(bound)`` (the
+    first e with -P[e] >= -P[end] - log(bound)), or at its sequence's end, where the
+    incoming state gradient dht enters.
+
+    Returns ``(walk_end, dht_from)``, ``[Nseg, Hv]`` int32 on the device: the token
+    where each reverse walk starts (exclusive end), and the sequence whose dht it starts
+    from (-1: zero, the walk ends before its sequence's end). No host sync.
+    """
+    rising = _decay_before(g_cumsum, plan)                       # [Hv,NC+1]
+    target = rising.index_select(1, plan.seg_chunk_end).sub_(math.log(bound))
+    e = torch.searchsorted(rising, target)                       # first >= target
+    e = torch.minimum(e, plan.seq_chunk_end)                     # in its sequence
+    walk_end = e.new_empty(e.shape[::-1], dtype=torch.int32)    # [Nseg,Hv]
+    tokens = torch.add(plan.walk_off, e, alpha=CHUNK).add_(CHUNK)   # seq start + C e'
+    walk_end.t().copy_(torch.minimum(tokens, plan.seq_eos))
+    dht_from = torch.empty_like(walk_end)
+    dht_from.t().copy_(torch.where(e == plan.seq_chunk_end, plan.seg_n, -1))
+    return walk_end, dht_from
+
+
 def warmup_starts(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, Tensor]:
     """Where each (segment, value head) of the bounded split starts its recurrence.
 
@@ -252,10 +297,7 @@ def warmup_starts(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, 
     does not hold for the walks over it).
     """
     # a dozen small launches, no more: this runs on every call's host path
-    Hv = g_cumsum.shape[-1]
-    decay = g_cumsum.reshape(-1, Hv).index_select(0, plan.chunk_last).t()  # [Hv,NC]
-    rising = F.pad(torch.cumsum(decay.clamp(max=0.0), 1, dtype=torch.float64).neg_(),
-                   (1, 0))                                      # [Hv,NC+1]: -P, from 0
+    rising = _decay_before(g_cumsum, plan)                       # [Hv,NC+1]
     target = rising.index_select(1, plan.seg_chunk).add_(math.log(bound))  # [Hv,Nseg]
     c1 = torch.searchsorted(rising, target, right=True)         # c + 1 (count <= target)
     c1 = torch.maximum(c1, plan.seq_chunk1)                      # in its sequence
@@ -289,6 +331,41 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
     return g_cumsum, A, o, None, final_state
 
 
+def uses_warmup(kernels, segment_len: int | None, shortcut_bound: float) -> bool:
+    """Whether a call with this split runs the bounded one (:func:`fwd_with_segments`)."""
+    return (segment_len is not None and shortcut_bound > 0
+            and getattr(kernels, "fwd_warmup", None) is not None)
+
+
+def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
+               cu_seqlens, cu_seqlens_cpu, segment_len: int, shortcut_bound: float):
+    """``Kernels.bwd`` contract for a forward that ran the bounded split, on a backend
+    with ``bwd_warmup``: the chunk states by the warm-up forward, dS by reverse walks
+    that start a few chunks after each segment (:func:`warmup_ends`), the per-chunk
+    gradients as usual. Dense ``[B, T]`` inputs run as B packed sequences; the
+    dropped terms obey the forward's bound. Returns ``(dq, dk, dv, dbeta, dg, dh0)``."""
+    B, T = q.shape[:2]
+    bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
+    if bounds[-1] == bounds[0]:                                          # no tokens
+        return kernels.bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
+                           initial_state=initial_state, cu_seqlens=cu_seqlens,
+                           cu_seqlens_cpu=cu_seqlens_cpu)
+    plan = _plan(tuple(bounds), segment_len, q.device)
+    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cumsum, beta, A, do)]
+    walks = dict(plan=plan, bound=shortcut_bound)
+    *grads, dh0_seg = kernels.bwd_warmup(
+        *packed, dht=dht, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
+        cu_seqlens_cpu=plan.cu_cpu, starts=functools.partial(warmup_starts, **walks),
+        ends=functools.partial(warmup_ends, **walks))
+    dh0 = None
+    if initial_state is not None:                    # each sequence's first segment
+        dh0 = dh0_seg.index_select(0, plan.first_seg)                    # [N,Hv,K,V]
+        if plan.any_empty:                           # no tokens: dh0 = dht (or 0)
+            empty = (plan.ends == 0)[:, None, None, None]
+            dh0 = torch.where(empty, dh0.new_zeros(()) if dht is None else dht, dh0)
+    return (*(x.reshape(B, T, *x.shape[2:]) for x in grads), dh0)
+
+
 def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
                       cu_seqlens_cpu, output_final_state, output_h, segment_len: int,
                       shortcut_bound: float = 0.0):
@@ -305,8 +382,8 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    bounded = (shortcut_bound > 0 and not output_h and bounds[-1] > bounds[0]
-               and getattr(kernels, "fwd_warmup", None) is not None)
+    bounded = (uses_warmup(kernels, segment_len, shortcut_bound) and not output_h
+               and bounds[-1] > bounds[0])
     if bounded:
         g_cumsum, A, o, h, final_state = warmup_fwd(
             kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,

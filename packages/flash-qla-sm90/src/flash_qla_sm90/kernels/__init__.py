@@ -51,6 +51,14 @@ class Sm90Kernels:
                          initial_state=initial_state, cu_seqlens=cu_seqlens,
                          cu_seqlens_cpu=cu_seqlens_cpu)
 
+    def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
+                   cu_seqlens, cu_seqlens_cpu, starts, ends):
+        from .backward import chunk_bwd_warmup
+
+        return chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
+                                initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                cu_seqlens_cpu=cu_seqlens_cpu, starts=starts, ends=ends)
+
     def plan_segment_len(self, bounds, Hv, K, V, device, bounded=False):
         from .forward import _sm_count, plan_segment_len
 

@@ -19,12 +19,15 @@ from . import traits
 from .chunk_bwd_dh import chunk_bwd_dh_kernel
 from .forward import (
     _DTYPE_NAMES,
+    _no_walk,
+    _output_alloc,
     _packed,
     _sm_count,
     fused_fwd,
     fused_tiling,
     layout_for,
     total_chunks,
+    warmup_fused,
 )
 
 
@@ -38,8 +41,12 @@ def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens
     return h.reshape(-1, *h.shape[2:])
 
 
-def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu):
-    """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32."""
+def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu,
+                walk_end=None, dht_from=None):
+    """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32.
+    With ``walk_end`` / ``dht_from`` (``[Nseg, Hv]`` int32, ``cu_seqlens`` the
+    segments): the bounded split's sweep (``chunk_bwd_dh`` with ``warmup``), dh0 per
+    segment."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
     layout = layout_for(q, cu_seqlens)
     dS1 = torch.empty(total_chunks(layout, cu_seqlens_cpu), Hv, K, V, dtype=torch.float32,
@@ -48,11 +55,41 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     has_dht = dht is not None
     # the forward's tiling rule, narrow or default (the sweep has no wide variant)
     tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
-    chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *tiling[:1])(
+    warmup = walk_end is not None
+    walks = (walk_end, dht_from) if warmup else (_no_walk(q.device),) * 2
+    statics = ((tiling[0] if tiling else traits.BLOCK_V, True) if warmup
+               else tiling[:1])                     # the shipped cache's exact keys
+    chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)(
         _packed(q), _packed(k), _packed(do), _packed(g_cumsum, torch.float32),
         _packed(beta, torch.float32), _packed(A), layout.cu_seqlens, layout.chunk_offsets,
-        dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0)
+        dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0, *walks)
     return dS1, dh0
+
+
+def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
+                     cu_seqlens, cu_seqlens_cpu, starts, ends):
+    """``Kernels.bwd_warmup``: the backward of the bounded segment split
+    (``flash_qla.segments.warmup_bwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
+    segments; ``starts`` / ``ends`` map g_cumsum to each (segment, head)'s forward walk
+    and reverse walk. The chunk states come from the warm-up forward (its own chunks
+    per segment), dS1 from the warm-up reverse sweep, then ``chunk_bwd_intra`` as in
+    :func:`chunk_bwd`. Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment
+    ``[Nseg, Hv, K, V]`` (None without an initial state)."""
+    from .chunk_bwd_intra import chunk_grads
+
+    B, T = q.shape[:2]
+    common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    layout = layout_for(q, cu_seqlens)
+    _, _, h = warmup_fused(
+        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
+        _packed(beta, torch.float32), _packed(A), layout, *starts(g_cumsum), scale=scale,
+        initial_state=initial_state, alloc=_output_alloc(cu_seqlens, cu_seqlens_cpu, B * T),
+        num_chunks=total_chunks(layout, cu_seqlens_cpu))                 # [NT,Hv,K,V]
+    walk_end, dht_from = ends(g_cumsum)
+    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, walk_end=walk_end,
+                           dht_from=dht_from, **common)
+    grads = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, **common)
+    return (*grads, dh0 if initial_state is not None else None)
 
 
 def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,

@@ -24,7 +24,8 @@ from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGE
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int = BLOCK_V):
+def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int = BLOCK_V,
+                        warmup: bool = False):
     """Build the reverse dS sweep for one static configuration (``block_v`` columns of dS
     per CTA: ``traits.BLOCK_V``, or ``BLOCK_V_NARROW`` for grids far below one wave).
 
@@ -39,9 +40,19 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
         scale           fp32 scalar
         dS1             [NT, Hv, K, V]  fp32 out, state gradient at each chunk's end
         dh0             [N, Hv, K, V]   fp32 out
+        walk_end, dht_from  [NW, HW]    int32, read only with ``warmup``
+
+    ``warmup`` (the bounded segment split's backward, ``flash_qla.segments.warmup_ends``):
+    the sequences of ``cu_seqlens`` are segments; CTA (n, h) starts its reverse sweep at
+    token ``walk_end[n, h]`` (>= the segment's end, on its sequence's chunk grid) from
+    ``dht[dht_from[n, h], h]`` (zero where dht_from < 0), so the chunks after the
+    segment are a warm-up that rebuilds dS at its end up to what decayed below the
+    bound; dS1 is stored for the segment's own chunks only, dh0[n] is the state gradient
+    at the segment's start.
     """
     C, BV = CHUNK, block_v
-    Tt, Hk, Hv, N, N1, NT = T.dynamic("Tt, Hk, Hv, N, N1, NT")
+    # N0: dht's rows (sequences; with ``warmup`` N counts segments)
+    Tt, Hk, Hv, N, N0, N1, NT, NW, HW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW, HW")
     f32 = "float32"
 
     @T.prim_func
@@ -54,10 +65,12 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
         A: T.Tensor((Tt, Hv, C), dtype),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
-        dht: T.Tensor((N, Hv, K, V), f32),
+        dht: T.Tensor((N0, Hv, K, V), f32),
         scale: T.float32,
         dS1: T.Tensor((NT, Hv, K, V), f32),
         dh0: T.Tensor((N, Hv, K, V), f32),
+        walk_end: T.Tensor((NW, HW), "int32"),
+        dht_from: T.Tensor((NW, HW), "int32"),
     ):
         with T.Kernel(N * Hv, V // BV, threads=FWD_THREADS) as (bx, by):
             q_shared = T.alloc_shared((C, K), dtype)
@@ -87,10 +100,19 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
             v0 = by * BV
             bos = T.alloc_var("int32", init=cu_seqlens[n])
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
+            if warmup:
+                out_eos = T.alloc_var("int32", init=bos + seq_len)   # the segment's end
+                seq_len = walk_end[n, h] - bos                       # + the warm-up
             num_chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])   # row of dS1
 
-            if has_dht:
+            if has_dht and warmup:                            # the walk's end state
+                src = T.alloc_var("int32", init=dht_from[n, h])
+                if src >= 0:
+                    T.copy(dht[src, h, :, v0:v0 + BV], ds_frag)
+                else:
+                    T.clear(ds_frag)
+            elif has_dht:
                 T.copy(dht[n, h, :, v0:v0 + BV], ds_frag)
             else:
                 T.clear(ds_frag)
@@ -111,7 +133,11 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                     gam_shared[i] = gam_frag[i]
                     beta_shared[i] = beta_frag[i]
 
-                T.copy(ds_frag, dS1[first_chunk + c, h, :, v0:v0 + BV])
+                if warmup:
+                    if t0 < out_eos:                          # not a warm-up chunk
+                        T.copy(ds_frag, dS1[first_chunk + c, h, :, v0:v0 + BV])
+                else:
+                    T.copy(ds_frag, dS1[first_chunk + c, h, :, v0:v0 + BV])
                 T.copy(ds_frag, ds_shared)
                 T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
                 T.gemm(k_shared, ds_shared, kds_frag, clear_accum=True)                # K dS1

@@ -74,8 +74,9 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     from the state ``initial_state[h0_from[n, h], h]`` (zero where h0_from < 0), then
     stores o only from ``cu_seqlens[n]`` on: the chunks before are a warm-up, which
     rebuilds the segment's start state up to what decayed below the bound.
-    ``final_state[n]`` is the segment's final state. Not with ``store_h``."""
-    assert not (warmup and store_h), "the warm-up split keeps no chunk states"
+    ``final_state[n]`` is the segment's final state; with ``store_h``, h is stored for
+    the segment's own chunks only (rows from ``chunk_offsets[n]``, the segment's first
+    chunk in the sequences' chunk numbering), not for the warm-up."""
     C = CHUNK
     # N0: initial_state's rows (sequences; with ``warmup`` N counts segments)
     Tt, Hk, Hv, N, N0, N1, NTh, NW, HW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW, HW")
@@ -92,6 +93,12 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
         T.async_copy(v[t0:t0 + C, h, :], v_s[s, :, :])
         T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
+
+    @T.macro
+    def store_state(h_out, st, row, h):
+        """h_out[row, h] = S (S^T held in registers)."""
+        for i, j in T.Parallel(V, K):
+            h_out[row, h, j, i] = st[i, j]
 
     @T.macro
     def store_o(o, ot, scale, t0, rows, h):
@@ -232,7 +239,10 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     t0 = bos + c * C
                     rows = T.min(seq_len - c * C, C)
                     ss = c % SLOTS
-                    if store_h:
+                    if store_h and warmup:
+                        if t0 >= out_bos:                     # the segment's own chunks
+                            store_state(h_out, st, first_chunk + (t0 - out_bos) // C, h)
+                    elif store_h:
                         for i, j in T.Parallel(V, K):
                             h_out[first_chunk + c, h, j, i] = st[i, j]
                     for i, j in T.Parallel(V, K):

@@ -330,18 +330,32 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
     k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
     g_cumsum, A = _prepare(k_p, g, beta_p, layout, alloc)
-    walk, h0_from = starts(g_cumsum)                             # [Nseg, Hv] int32 each
-    o = alloc(B * T, Hv, V, dtype=q.dtype, device=q.device)
+    o, final_state, _ = warmup_fused(_packed(q), k_p, _packed(v), g_cumsum, beta_p, A,
+                                     layout, *starts(g_cumsum), scale=scale,
+                                     initial_state=initial_state, alloc=alloc)
+    return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
+            final_state)
+
+
+def warmup_fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, walk, h0_from, *, scale,
+                 initial_state, alloc, num_chunks: int | None = None):
+    """``chunk_fwd_ws`` with ``warmup`` on packed inputs (as :func:`_fused`) over the
+    segments of ``layout``, each (segment, head) walking from ``walk`` with the state
+    row ``h0_from`` (``[Nseg, Hv]`` int32). Returns ``(o [Tt, Hv, V], final_state
+    [Nseg, Hv, K, V], h)``: h ``[num_chunks, Hv, K, V]`` (every chunk's start state,
+    the segments' own chunks) when ``num_chunks`` is given, else None."""
+    K, (Hv, V) = q.shape[-1], v.shape[1:]
+    o = alloc(q.shape[0], Hv, V, dtype=q.dtype, device=q.device)
     final_state = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32,
                               device=q.device)
     has_h0 = initial_state is not None
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
-    chunk_fwd_ws_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, False, True)(
-        _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout.cu_seqlens,
-        layout.chunk_offsets, h0, float(scale), o, final_state,
-        final_state[:1], walk, h0_from)
-    return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
-            final_state)
+    store_h = num_chunks is not None
+    h = final_state.new_empty(num_chunks, Hv, K, V) if store_h else final_state[:1]
+    chunk_fwd_ws_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, True)(
+        q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets, h0,
+        float(scale), o, final_state, h, walk, h0_from)
+    return o, final_state, (h if store_h else None)
 
 
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,

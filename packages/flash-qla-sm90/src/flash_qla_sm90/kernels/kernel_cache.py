@@ -60,12 +60,15 @@ def variants(experimental: bool = False):
                         yield chunk_fwd_kernel, (dtype, K, V, has_h0, store_h, *tiling)
                     for transposed in _transposed_builders(K, V, experimental):
                         yield transposed, (dtype, K, V, has_h0, store_h)
-                        if transposed is chunk_fwd_ws_kernel and not store_h:
-                            yield transposed, (dtype, K, V, has_h0, False, True)  # warm-up
+                        if transposed is chunk_fwd_ws_kernel:                  # warm-up
+                            yield transposed, (dtype, K, V, has_h0, store_h, True)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:
                     yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, traits.BLOCK_V_NARROW)
+                if (K, V) == (128, 128) and traits.FWD_AUX_WARPGROUP:  # bounded split
+                    for block_v in (traits.BLOCK_V, traits.BLOCK_V_NARROW):
+                        yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, block_v, True)
             yield chunk_bwd_intra_kernel, (dtype, K, V)
 
 
