@@ -272,3 +272,39 @@ def test_warmup_ends_match_a_walk_chunk_by_chunk(seed):
         expected_from.append(row_f)
     assert walk_end == expected_end
     assert dht_from == expected_from
+def test_plans_made_while_capturing_are_kept(monkeypatch):
+    """A plan used inside a CUDA-graph capture stays alive (its device tensors and
+    staging buffers are read by every replay), even after the LRU cache drops it."""
+    monkeypatch.setattr(segments, "_CAPTURED_PLANS", {})
+    monkeypatch.setattr(segments, "_capturing", lambda device: True)
+    plan = segments._plan_for([0, 640], 128, torch.device("cpu"))
+    segments._plan.cache_clear()
+    assert list(segments._CAPTURED_PLANS.values()) == [plan]
+    monkeypatch.setattr(segments, "_capturing", lambda device: False)
+    segments._plan_for([0, 700], 128, torch.device("cpu"))
+    assert len(segments._CAPTURED_PLANS) == 1
+
+
+@pytest.mark.parametrize("dense, bound, allowed", [(True, 2.0 ** -9, True),
+                                                   (True, 0.0, False),
+                                                   (False, 2.0 ** -9, False)],
+                         ids=["dense-bounded", "dense-exact", "varlen-bounded"])
+def test_only_dense_bounded_splits_run_inside_capture(monkeypatch, dense, bound, allowed):
+    """Inside a capture: the bounded split of a dense input runs (its lengths are the
+    shape); the exact split and any varlen split raise a ValueError naming
+    segment_len (a replay could bring other lengths)."""
+    monkeypatch.setattr(segments, "_capturing", lambda device: True)
+    monkeypatch.setattr(segments, "_CAPTURED_PLANS", {})
+    q, k, v, g, beta, s0, bounds = _inputs(None if dense else [200, 100], 1, 300, 1, 2,
+                                           True, "typical")
+    cu = None if dense else torch.tensor(bounds, dtype=torch.int32)
+    run = functools.partial(
+        segments.fwd_with_segments, TORCH_KERNELS, q, k, v, g, beta, scale=0.3,
+        initial_state=s0, cu_seqlens=cu, cu_seqlens_cpu=cu, output_final_state=True,
+        output_h=False, segment_len=128, shortcut_bound=bound)
+    if allowed:
+        o = run()[2]
+        assert torch.isfinite(o).all() and len(segments._CAPTURED_PLANS) == 1
+    else:
+        with pytest.raises(ValueError, match="segment_len"):
+            run()

@@ -349,21 +349,38 @@ def test_automatic_split_matches_recurrence(monkeypatch):
     assert forward.plan_segment_len([b * 4096 for b in range(9)], 32, 128, 128, sms) is None
 
 
-def test_forced_split_inside_graph_capture_is_refused():
-    """segment_len under CUDA-graph capture: a ValueError naming it (the split's index
-    tensors are planned and staged on the host), and the automatic plan is not asked
-    there: the captured call replays bitwise like the eager one that never splits."""
-    inp = make_inputs(Case(1, 32768, 2, 8), seed=5)
-    eager, _ = flash_qla.chunk_gated_delta_rule(**inp, auto_cp=False)
+def test_split_inside_graph_capture():
+    """Inside a CUDA-graph capture: the automatic bounded split of a dense input is
+    captured (its walks are recomputed from the live gates at every replay: a replay on
+    new inputs equals the eager call on them, bitwise); the exact split and a varlen
+    split raise a ValueError naming segment_len; a varlen call is not split on its own
+    (its replay equals the eager unsplit call)."""
+    dense = make_inputs(Case(1, 32768, 2, 8), seed=5)
+    varlen = make_inputs(_varlen([20000, 12768], 2, 8), seed=6)
+    varlen["cu_seqlens_cpu"] = varlen["cu_seqlens"].cpu()           # eager calls split it
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    refused, graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    graphs = [torch.cuda.CUDAGraph() for _ in range(4)]
     with torch.cuda.stream(stream):
-        flash_qla.chunk_gated_delta_rule(**inp)                       # warm-up off-graph
-        with pytest.raises(ValueError, match="segment_len"), torch.cuda.graph(refused):
-            flash_qla.chunk_gated_delta_rule(**inp, segment_len=1024)
-        with torch.cuda.graph(graph):
-            captured, _ = flash_qla.chunk_gated_delta_rule(**inp)
-    graph.replay()
+        flash_qla.chunk_gated_delta_rule(**dense)                     # warm-up off-graph
+        flash_qla.chunk_gated_delta_rule(**varlen)
+        with torch.cuda.graph(graphs[0]):
+            captured, _ = flash_qla.chunk_gated_delta_rule(**dense)
+        with pytest.raises(ValueError, match="segment_len"), torch.cuda.graph(graphs[1]):
+            flash_qla.chunk_gated_delta_rule(**dense, segment_len=2048,
+                                             segment_shortcut_bound=0.0)
+        with pytest.raises(ValueError, match="segment_len"), torch.cuda.graph(graphs[2]):
+            flash_qla.chunk_gated_delta_rule(**varlen, segment_len=2048)
+        with torch.cuda.graph(graphs[3]):
+            captured_varlen, _ = flash_qla.chunk_gated_delta_rule(**varlen)
+    fresh = make_inputs(Case(1, 32768, 2, 8), seed=7)
+    for name in ("q", "k", "v", "g", "beta"):
+        dense[name].copy_(fresh[name])
+    graphs[0].replay()
+    graphs[3].replay()
     torch.cuda.synchronize()
+    eager, _ = flash_qla.chunk_gated_delta_rule(**fresh)
     assert torch.equal(captured, eager)
+    assert rel_l2(captured, reference(fresh)[0]) < TOL[torch.bfloat16]
+    assert torch.equal(captured_varlen,
+                       flash_qla.chunk_gated_delta_rule(**varlen, auto_cp=False)[0])

@@ -186,13 +186,15 @@ def gate_from_params(g: torch.Tensor, A_log: torch.Tensor,
 def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_seqlens_cpu,
                       bounded: bool) -> int | None:
     """The backend's automatic segment split (``auto_cp``), asked only when it has a
-    planner, the sequence lengths are on the host (dense input, or ``cu_seqlens_cpu``)
-    and no CUDA graph is being captured (the split is planned on the host). ``bounded``:
-    the split will be the one-pass bounded one (``fwd_warmup``), else the exact one."""
+    planner and the sequence lengths are on the host (dense input, or
+    ``cu_seqlens_cpu``); inside a CUDA-graph capture only for the bounded split of a
+    dense input (the split is planned from the call's lengths, which a varlen replay may
+    change). ``bounded``: the split will be the one-pass bounded one (``fwd_warmup``),
+    else the exact one."""
     plan = getattr(kernels, "plan_segment_len", None)
     if plan is None or (cu_seqlens is not None and cu_seqlens_cpu is None):
         return None
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if validation.is_capturing(q.device) and not (bounded and cu_seqlens is None):
         return None
     bounds = host_bounds(*q.shape[:2], cu_seqlens, cu_seqlens_cpu)       # [N+1], no sync
     return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=bounded)
@@ -318,11 +320,12 @@ def chunk_gated_delta_rule(
         auto_cp: None/True (default None): without ``segment_len`` / ``force_intra_cp``,
             the backend may split long sequences on its own (as ``segment_len``) when
             its cost model predicts a gain; it is asked only when the lengths are on
-            the host (dense input or ``cu_seqlens_cpu``) and no CUDA graph is being
-            captured. sm90 splits when (sequences x heads) leave SMs idle: the bounded
-            split into as many segments as one wave holds, the exact one (bound 0) into
-            segments of 4096 (cost model fitted on the H200;
-            ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``). False: never.
+            the host (dense input or ``cu_seqlens_cpu``), and inside a CUDA-graph
+            capture only for the bounded split of a dense input. sm90 splits when
+            (sequences x heads) leave SMs idle: the bounded split into as many segments
+            as one wave holds, the exact one (bound 0) into segments of 4096 (cost
+            model fitted on the H200; ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``).
+            False: never.
         segment_len: tokens per segment (a positive multiple of 64) of the segment-
             parallel forward (:mod:`flash_qla.segments`). None (default): no split
             (unless ``auto_cp``). With ``segment_shortcut_bound`` > 0 on a backend
@@ -331,8 +334,9 @@ def chunk_gated_delta_rule(
             its start state by re-walking the chunks before it back to where their
             decay reaches the bound (or to its sequence's start); else the exact split
             (three passes and a scan over segment transitions). The backward is
-            unsplit (exact). A ValueError inside CUDA-graph capture (the split is
-            planned on the host).
+            unsplit (exact). Inside CUDA-graph capture only the bounded split of a
+            dense input (``cu_seqlens=None``) runs, ValueError otherwise (the split
+            is planned from the call's lengths, which a varlen replay may change).
         segment_shortcut_bound: what the bounded split may drop (default 2^-9, below
             bf16's resolution; 0: the exact split): a segment's warm-up starts where
             ``exp(sum of g)`` up to the segment is at most the bound, so the state it

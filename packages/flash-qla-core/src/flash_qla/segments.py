@@ -96,14 +96,20 @@ def segment_bounds(bounds: list[int], segment_len: int) -> tuple[list[int], list
     return seg, first
 
 
-def _to_device(values: list[int], device: torch.device, dtype: torch.dtype) -> Tensor:
+def _to_device(values: list[int], device: torch.device, dtype: torch.dtype,
+               staging: list | None = None) -> Tensor:
     """A small host list on ``device`` without a stream synchronisation: staged in
     pinned memory and copied asynchronously (a pageable copy would wait for the GPU and
-    serialise this path's host work with the kernels already queued)."""
+    serialise this path's host work with the kernels already queued). The pinned buffer
+    is appended to ``staging`` when given: a CUDA graph that captured the copy reads it
+    again at every replay, so it must outlive the graph."""
     t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    pinned = t.pin_memory()
+    if staging is not None:
+        staging.append(pinned)
+    return pinned.to(device, non_blocking=True)
 
 
 def _identity_columns(n: int, Hv: int, K: int, V: int, start: int, like: Tensor) -> Tensor:
@@ -145,6 +151,7 @@ class _Plan:
     seq_eos: Tensor         # [Nseg] long: its sequence's end token
     first_seg: Tensor       # [N] long: each sequence's first segment (0 if it has none)
     any_empty: bool         # a sequence without tokens (its final state is h0 or 0)
+    staging: tuple = ()     # pinned host buffers the device tensors were copied from
 
 
 @functools.lru_cache(maxsize=32)
@@ -173,13 +180,31 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
     seq_eos = [bounds[n + 1] for n in seg_n]
     first_seg = [first[n] if counts[n] else 0 for n in range(N)]
     sizes = [J * N, Nseg, Nseg, N, N, len(chunk_last), Nseg, Nseg, Nseg, Nseg, Nseg, Nseg, N]
+    staging = []
     index = _to_device(slot + seg_j + seg_n + counts + last_seg + chunk_last + seg_chunk
                        + seq_chunk1 + walk_off + seg_chunk_end + seq_chunk_end + seq_eos
-                       + first_seg, device, torch.long)
+                       + first_seg, device, torch.long, staging)
     slot_t, *rest = index.split(sizes)
-    return _Plan(N, Nseg, J, _to_device(seg, device, torch.int32),
+    return _Plan(N, Nseg, J, _to_device(seg, device, torch.int32, staging),
                  torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), *rest,
-                 any_empty=min(counts, default=0) == 0)
+                 any_empty=min(counts, default=0) == 0, staging=tuple(staging))
+
+
+#: Plans used inside a CUDA-graph capture: a graph reads their device tensors (and
+#: re-copies their staging buffers) at every replay, so they are never dropped.
+_CAPTURED_PLANS: dict = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _plan_for(bounds: list[int], segment_len: int, device: torch.device) -> _Plan:
+    """:func:`_plan`, kept for the process's life when a graph is being captured."""
+    plan = _plan(tuple(bounds), segment_len, device)
+    if _capturing(device):
+        _CAPTURED_PLANS[(tuple(bounds), segment_len, device)] = plan
+    return plan
 
 
 def _scan(M: Tensor, L: Tensor, plan: _Plan, initial_state: Tensor | None,
@@ -315,7 +340,7 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
     backend's ``fwd_warmup`` over all segments (module docstring). Arguments as
     :func:`segmented_fwd`; ``shortcut_bound`` in (0, 1). Returns
     ``(g_cumsum, A, o, None, final_state)``."""
-    plan = _plan(tuple(bounds), segment_len, q.device)
+    plan = _plan_for(bounds, segment_len, q.device)
     g_cumsum, A, o, final_seg = kernels.fwd_warmup(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
         cu_seqlens_cpu=plan.cu_cpu,
@@ -350,7 +375,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
         return kernels.bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
                            initial_state=initial_state, cu_seqlens=cu_seqlens,
                            cu_seqlens_cpu=cu_seqlens_cpu)
-    plan = _plan(tuple(bounds), segment_len, q.device)
+    plan = _plan_for(bounds, segment_len, q.device)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cumsum, beta, A, do)]
     walks = dict(plan=plan, bound=shortcut_bound)
     *grads, dh0_seg = kernels.bwd_warmup(
@@ -373,17 +398,21 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
     ``[B, T]`` inputs are run as B packed sequences: the bounded split
     (:func:`warmup_fwd`) when ``shortcut_bound`` > 0, the backend has ``fwd_warmup`` and
     no h is asked for, else the exact one (:func:`segmented_fwd`). Reads ``cu_seqlens``
-    on the host (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host,
-    so this path cannot be captured in a CUDA graph (ValueError: its index tensors are
-    staged in host memory that a replay would read after it is reused)."""
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ValueError(f"segment_len: expected None inside CUDA-graph capture (the "
-                         f"segment split is planned on the host), got {segment_len}")
+    on the host (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host
+    from the lengths of the call: inside a CUDA-graph capture only the bounded split
+    of a dense input runs (its lengths are the tensor's shape, so every replay has
+    them; a replay with other ``cu_seqlens`` would reuse a stale split): ValueError for
+    anything else there."""
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     bounded = (uses_warmup(kernels, segment_len, shortcut_bound) and not output_h
                and bounds[-1] > bounds[0])
+    if _capturing(q.device) and not (bounded and cu_seqlens is None):
+        raise ValueError(f"segment_len: expected None inside CUDA-graph capture, except "
+                         f"for the bounded split (segment_shortcut_bound > 0) of a dense "
+                         f"input (cu_seqlens=None): the split is planned from the call's "
+                         f"lengths, got {segment_len}")
     if bounded:
         g_cumsum, A, o, h, final_state = warmup_fwd(
             kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
