@@ -215,3 +215,12 @@ def test_segment_cost_fit_doctest():
     import fit_segment_cost
 
     assert doctest.testmod(fit_segment_cost).failed == 0
+
+
+def test_flashqla_peer_precompile_help():
+    """tools/prepare_flashqla_peer.py (the peer's kernels compiled ahead of time) parses
+    its options without the peer or a GPU."""
+    p = _run([os.path.join(REPO, "tools", "prepare_flashqla_peer.py"), "--help"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    for opt in ("--flashqla-path", "--cache-dir", "--heads", "--modes", "--list"):
+        assert opt in p.stdout

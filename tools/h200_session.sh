@@ -18,8 +18,9 @@
 #             "exact": the backend's choice with segment_shortcut_bound=0),
 #             then, if SEG_PROFILE is set, the kernel profile of the segment path with
 #             SEG_PROFILE_LEN on those develop-set rows (SEG_PROFILE_HOST=1: host ops)
-#   fla       forward beside FLA 0.5.0 on a few shapes (FLA autotunes every shape, each
-#             config timed FLA_TUNE_REP_MS, default 20 ms, instead of Triton's 100)
+#   fla       forward beside FLA_PEERS (default fla; "fla,flashqla" adds FlashQLA 0.1.3,
+#             whose kernels the bundle precompiles) on FLA_SHAPES (FLA autotunes every
+#             shape, each config timed FLA_TUNE_REP_MS, default 20 ms, not Triton's 100)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
 #             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists);
 #             NCU_SOURCE=1 adds the stall samples per SASS instruction (ncu-sass.csv)
@@ -39,7 +40,9 @@ has() { [[ " $STAGES " == *" $1 "* ]] && (( ${SESSION_BUDGET:-560} - SECONDS > 2
 cap() { local left=$(( ${SESSION_BUDGET:-560} - SECONDS - 5 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
-B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs"
+# the peer FlashQLA 0.1.3 when the bundle has it (its kernels precompiled in the cache)
+FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ"
 if has smoke; then
   if ! timeout "$(cap "${SMOKE_TIMEOUT:-60}")" python3 benchmark/tune_chunk_fwd.py \
       --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
@@ -71,7 +74,7 @@ if has fwd; then   # ours alone on forward-grid rows, eager and CUDA-graph repla
     > "$R/fwd.txt" 2>&1
 fi
 if has evidence; then   # the headline table: ours beside EVIDENCE_PEERS, eager and graphed
-  timeout "$(cap "${EVIDENCE_TIMEOUT:-240}")" python3 benchmark/bench_gated_delta_rule.py --out "$R" \
+  timeout "$(cap "${EVIDENCE_TIMEOUT:-240}")" python3 benchmark/bench_gated_delta_rule.py --out "$R" $FQ \
     --mode fwd --peers "${EVIDENCE_PEERS:-flashinfer}" --tag H200 \
     --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" --shapes "${EVIDENCE_SHAPES:-16/32@8x4096}" \
     > "$R/evidence.txt" 2>&1
@@ -117,7 +120,7 @@ if has ncu; then
   fi
 fi
 if has fla; then
-  timeout "$(cap "${FLA_TIMEOUT:-200}")" $B --mode fwd --peers fla --tag H200-fla \
+  timeout "$(cap "${FLA_TIMEOUT:-200}")" $B --mode fwd --peers "${FLA_PEERS:-fla}" --tag H200-fla \
     --deadline-s $(( ${FLA_TIMEOUT:-200} - 70 )) \
     --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepare the offline GPU bundle on the CPU machine, once per checkout (~15 min):
-# TileLang + FLA (+ FlashQLA 0.1.3 as a peer) wheels, and every sm90 kernel compiled for
-# sm_90a into a fresh .offline-gpu/tilelang-cache, so device minutes go to running, not
-# compiling. With ~/.cache/offline-gpu/gdn_prefill_sm90.so (built by
+# TileLang + FLA (+ FlashQLA 0.1.3 as a peer) wheels, and every sm90 kernel (and the
+# peer's, tools/prepare_flashqla_peer.py) compiled for sm_90a into a fresh
+# .offline-gpu/tilelang-cache, so device minutes go to running, not compiling. With ~/.cache/offline-gpu/gdn_prefill_sm90.so (built by
 #   ../shared/offline-gpu/build-flashinfer-gdn ~/.cache/offline-gpu/gdn_prefill_sm90.so
 # in ~1 h, in the background) FlashInfer 0.6.13 comes too, as an AOT module (no JIT there).
 # Then: `run` with carry [".offline-gpu"] and `bash tools/h200_session.sh`.
@@ -29,6 +29,13 @@ rm -rf .offline-gpu/tilelang-cache
 TILELANG_PRINT_ON_COMPILATION=0 \
   PYTHONPATH=packages/flash-qla-sm90/src:packages/flash-qla-core/src \
   python3 -m flash_qla_sm90.kernels.kernel_cache --experimental "$CACHE"
+# the peer FlashQLA 0.1.3 (unpacked by make-bundle with FLASHQLA_PEER=1): its kernels for
+# the benchmark grids, compiled here into the same cache (first time ~25 min, then cache
+# hits; ~2 MB packed), so the device does not JIT them (4.5 min per head pair there)
+if [[ -d .offline-gpu/peers/flashqla && ${FLASHQLA_PEER:-1} == 1 ]]; then
+  python3 tools/prepare_flashqla_peer.py --flashqla-path .offline-gpu/peers/flashqla \
+    --cache-dir "$CACHE" --modes fwd,bwd | tail -1
+fi
 tar cJf .offline-gpu/tilelang-cache.tar.xz -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
 bytes=$(( $(du -sb .offline-gpu | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))
 echo "tree + .offline-gpu: $((bytes / 1048576)) MiB (the device refuses > 64 MiB)"

@@ -158,6 +158,7 @@ def test_bounded_plan_fills_one_wave(monkeypatch):
     assert plan([0, 16384], 8) == 1024
     assert plan([0, 8192], 8) is None                  # ~0.5 ms: below the host floor
     assert plan([0, 60000, 60007, 60307], 4) == 2048   # 30 + 1 + 1 segments x 4
+    assert plan([b * 8192 for b in range(5)], 16) == 4096  # 64 pairs -> 128 CTAs
     for bounds, Hv in (([b * 4096 for b in range(9)], 32), ([0, 32768], 132),
                        ([0, 512], 8), ([0, 0], 8), ([0], 8)):
         assert plan(bounds, Hv) is None, (bounds, Hv)

@@ -104,11 +104,13 @@ SEGMENT_MIN_GAIN = 0.05
 #: need ~4000 tokens to decay to 2^-9, most far fewer). H200, 2026-11-30 (sixth session,
 #: call 3): 2/8 1x8192 split at 512 took 0.588 ms against 0.505 unsplit, the 1x32768
 #: rows 0.58-0.67 ms (FLA 0.85-1.31) where the GPU work alone is ~0.3-0.6 ms: host-bound;
-#: after the host cuts (call 4) 0.48-0.60 on five rows. Refit WARMUP_HOST_US with
-#: ``benchmark/fit_segment_cost.py --bounded <result JSONs>``.
+#: after the host cuts (call 4) 0.48-0.60 on five rows, median 525 us:
+#: ``benchmark/fit_segment_cost.py --bounded <call 4's H200-fla.json>``. With it 16/16
+#: 4x8192 (0.614 ms unsplit) is split at 4096 (predicted ~0.53; not yet measured) and
+#: 2/8 1x8192 (0.505) is not.
 WARMUP_SEGMENT_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 WARMUP_CHUNKS = 16
-WARMUP_HOST_US = 600.0
+WARMUP_HOST_US = 525.0
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
