@@ -42,14 +42,16 @@ import torch.nn.functional as F
 from flash_qla import validation
 from flash_qla.backend import BackendSpec, Kernels
 from flash_qla.segments import (
+    CHUNK,
     DEFAULT_SEGMENT_LEN,
     DEFAULT_SHORTCUT_BOUND,
     fwd_with_segments,
     host_bounds,
+    uses_warmup,
 )
 
 #: segment_len must keep chunk boundaries in place: a multiple of every backend's C.
-SEGMENT_MULTIPLE = 64
+SEGMENT_MULTIPLE = CHUNK
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -190,7 +192,7 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
     plan = getattr(kernels, "plan_segment_len", None)
     if plan is None or (cu_seqlens is not None and cu_seqlens_cpu is None):
         return None
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if validation.is_capturing(q.device):
         return None
     bounds = host_bounds(*q.shape[:2], cu_seqlens, cu_seqlens_cpu)       # [N+1], no sync
     return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=bounded)
@@ -366,8 +368,8 @@ def chunk_gated_delta_rule(
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
     if segment_len is None and auto_cp is not False:
-        bounded = shortcut_bound > 0 and getattr(kernels, "fwd_warmup", None) is not None
-        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu, bounded)
+        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
+                                        uses_warmup(kernels, shortcut_bound))
 
     # Pre-passes: everything the kernels' canonical contract does not cover.
     if use_qk_l2norm_in_kernel:

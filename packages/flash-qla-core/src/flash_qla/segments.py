@@ -45,8 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .validation import is_capturing
+
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "fwd_with_segments",
-           "host_bounds", "segment_bounds", "segmented_fwd", "warmup_fwd", "warmup_starts"]
+           "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "warmup_fwd",
+           "warmup_starts"]
 
 #: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``
 #: (the fastest of 1024 / 2048 / 4096 on every few-head shape measured on the H200,
@@ -289,6 +292,12 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
     return g_cumsum, A, o, None, final_state
 
 
+def uses_warmup(kernels, shortcut_bound: float) -> bool:
+    """Whether a split on ``kernels`` with this bound is the bounded one (the backend
+    has ``fwd_warmup`` and the bound is above 0), else the exact one."""
+    return shortcut_bound > 0 and getattr(kernels, "fwd_warmup", None) is not None
+
+
 def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
                       cu_seqlens_cpu, output_final_state, output_h, segment_len: int,
                       shortcut_bound: float = 0.0):
@@ -299,14 +308,13 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
     on the host (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host,
     so this path cannot be captured in a CUDA graph (ValueError: its index tensors are
     staged in host memory that a replay would read after it is reused)."""
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if is_capturing(q.device):
         raise ValueError(f"segment_len: expected None inside CUDA-graph capture (the "
                          f"segment split is planned on the host), got {segment_len}")
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    bounded = (shortcut_bound > 0 and not output_h and bounds[-1] > bounds[0]
-               and getattr(kernels, "fwd_warmup", None) is not None)
+    bounded = uses_warmup(kernels, shortcut_bound) and not output_h and bounds[-1] > bounds[0]
     if bounded:
         g_cumsum, A, o, h, final_state = warmup_fwd(
             kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
