@@ -240,13 +240,16 @@ def _no_walk(device: torch.device) -> torch.Tensor:
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
-           num_chunks: int | None, alloc, tiling: tuple | str | None = None):
+           num_chunks: int | None, alloc, tiling: tuple | str | None = None,
+           walks: tuple | None = None):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
     ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` or a name in
     ``TRANSPOSED_KERNELS``, overriding :func:`fused_plan`'s choice (tuning).
+    ``walks``: ``(walk, h0_from)`` ``[N, Hv]`` int32 of the bounded split, run by
+    ``chunk_fwd_ws`` with ``warmup`` (the sequences of ``layout`` are its segments).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -257,16 +260,20 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
-    if tiling is None:
-        tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
-    walk = (_no_walk(q.device),) * 2 if tiling == "ws" else ()   # ws only: unread
-    if tiling in TRANSPOSED_KERNELS:
-        kernel = TRANSPOSED_KERNELS[tiling](_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
+    dtype = _DTYPE_NAMES[q.dtype]
+    if walks is not None:                                # the bounded split
+        kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h, True)
     else:
-        kernel = chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)
+        if tiling is None:
+            tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
+        walks = (_no_walk(q.device),) * 2 if tiling == "ws" else ()   # ws only: unread
+        if tiling in TRANSPOSED_KERNELS:
+            kernel = TRANSPOSED_KERNELS[tiling](dtype, K, V, has_h0, store_h)
+        else:
+            kernel = chunk_fwd_kernel(dtype, K, V, has_h0, store_h, *tiling)
     kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
-        h0, float(scale), o, final_state, h, *walk)
+        h0, float(scale), o, final_state, h, *walks)
     return o, final_state, (h if store_h else None)
 
 
@@ -324,22 +331,16 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     start and initial-state row (``[Nseg, Hv]`` int32 each). Returns ``(g_cumsum
     [B,T,Hv], A [B,T,Hv,C], o [B,T,Hv,V], final_state [Nseg,Hv,K,V])``, the final state
     of every segment."""
-    B, T, Hk, K = q.shape
+    B, T = q.shape[:2]
     Hv, V = v.shape[2:]
     layout = layout_for(q, cu_seqlens)
     alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
     k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
     g_cumsum, A = _prepare(k_p, g, beta_p, layout, alloc)
-    walk, h0_from = starts(g_cumsum)                             # [Nseg, Hv] int32 each
-    o = alloc(B * T, Hv, V, dtype=q.dtype, device=q.device)
-    final_state = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32,
-                              device=q.device)
-    has_h0 = initial_state is not None
-    h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
-    chunk_fwd_ws_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, False, True)(
-        _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout.cu_seqlens,
-        layout.chunk_offsets, h0, float(scale), o, final_state,
-        final_state[:1], walk, h0_from)
+    o, final_state, _ = _fused(
+        _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
+        initial_state=initial_state, num_chunks=None, alloc=alloc,
+        walks=starts(g_cumsum))                                  # [Nseg, Hv] int32 each
     return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             final_state)
 
