@@ -173,6 +173,23 @@ def warmup_available(K: int, V: int) -> bool:
     return (K, V) == (128, 128) and traits.FWD_TRANSPOSED and transposed_kernel() == "ws"
 
 
+def bounded_gpu_us(lens: list[int], Hv: int, seg: int) -> float:
+    """Predicted GPU time, us, of the bounded split at segment length ``seg``: one ws
+    pass of ``seg`` chunks + ``traits.WARMUP_CHUNKS`` warm-up per CTA (one wave), and
+    the prepare."""
+    chunks = [-(-n // CHUNK) for n in lens if n > 0]
+    return ((seg // CHUNK + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
+            + _prepare_us(chunks, Hv))
+
+
+def exact_passes_us(lens: list[int], Hv: int, K: int, V: int, sm_count: int,
+                    seg: int) -> float:
+    """Predicted time, us, of the exact split's three fused passes and one prepare over
+    the segments of length ``seg`` (the planner adds the scan and the fixed cost)."""
+    pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
+    return 3 * _fused_us(pieces, Hv, K, V, sm_count) + _prepare_us(pieces, Hv)
+
+
 def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> int | None:
     """The bounded split's segment length (``traits.WARMUP_SEGMENT_LENS``), or None:
     the shortest whose segments x Hv CTAs fit one wave, if its predicted time (at least
@@ -181,16 +198,14 @@ def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> in
     if not warmup_available(K, V):
         return None
     longest = max(lens, default=0)
-    chunks = [-(-n // CHUNK) for n in lens if n > 0]
     unsplit = predicted_fwd_us(lens, Hv, K, V, sm_count)
     for seg in traits.WARMUP_SEGMENT_LENS:
         if seg >= longest:
             return None                                   # splits nothing
         if sum(-(-n // seg) for n in lens if n > 0) * Hv > sm_count:
             continue                                      # more than one wave
-        gpu = ((seg // CHUNK + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
-               + _prepare_us(chunks, Hv))
-        us = max(gpu, traits.WARMUP_HOST_US)          # an eager call is host-bound below
+        us = max(bounded_gpu_us(lens, Hv, seg),       # an eager call is host-bound below
+                 traits.WARMUP_HOST_US)
         return seg if us < unsplit * (1 - traits.SEGMENT_MIN_GAIN) else None
     return None
 
@@ -224,8 +239,7 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int, sm_count: int,
         steps = -(-longest // seg)                    # scan positions
         if steps < 2:
             continue                                  # no sequence is split at this length
-        pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
-        us = (3 * _fused_us(pieces, Hv, K, V, sm_count) + _prepare_us(pieces, Hv)
+        us = (exact_passes_us(lens, Hv, K, V, sm_count, seg)
               + steps * traits.SEGMENT_SCAN_STEP_US + traits.SEGMENT_FIXED_US)
         if us < best_us:
             best, best_us = seg, us
