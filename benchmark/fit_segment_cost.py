@@ -68,12 +68,6 @@ def _rows(path: str, bounded: bool) -> list[dict]:
     return rows
 
 
-def _pieces(bounds: list[int], seg: int) -> list[int]:
-    """Chunks of every segment."""
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    return [-(-min(seg, n - s) // 64) for n in lens for s in range(0, n, seg)]
-
-
 def fit_exact(rows: list[dict]) -> tuple[float, float]:
     """``(SEGMENT_SCAN_STEP_US, SEGMENT_FIXED_US)`` by least squares; each row gets its
     ``pred`` with them. Needs two distinct step counts.
@@ -94,23 +88,13 @@ def _exact_terms(rows: list[dict]) -> None:
     from flash_qla_sm90.kernels import forward
 
     for r in rows:
-        pieces = _pieces(r["bounds"], r["seg"])
-        r["x"] = -(-max(b - a for a, b in zip(r["bounds"][:-1], r["bounds"][1:])) // r["seg"])
-        r["y"] = r["us"] - (3 * forward._fused_us(pieces, r["hv"], K, V, SM_COUNT)
-                            + forward._prepare_us(pieces, r["hv"]))
-
-
-def _bounded_gpu_us(r: dict) -> float:
-    """The planner's GPU-time prediction of a bounded split row."""
-    from flash_qla_sm90.kernels import forward, traits
-
-    chunks = [-(-(b - a) // 64) for a, b in zip(r["bounds"][:-1], r["bounds"][1:]) if b > a]
-    return ((r["seg"] // 64 + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
-            + forward._prepare_us(chunks, r["hv"]))
+        lens = [b - a for a, b in zip(r["bounds"][:-1], r["bounds"][1:])]
+        r["x"] = -(-max(lens) // r["seg"])
+        r["y"] = r["us"] - forward.exact_passes_us(lens, r["hv"], K, V, SM_COUNT, r["seg"])
 
 
 def main(argv=None) -> int:
-    from flash_qla_sm90.kernels import traits
+    from flash_qla_sm90.kernels import forward, traits
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +115,8 @@ def main(argv=None) -> int:
               f"{traits.SEGMENT_FIXED_US})")
     if bounded:
         for r in bounded:
-            r["gpu"] = _bounded_gpu_us(r)
+            lens = [b - a for a, b in zip(r["bounds"][:-1], r["bounds"][1:])]
+            r["gpu"] = forward.bounded_gpu_us(lens, r["hv"], r["seg"])
         table = [[r["shape"], r["seg"], f"{r['us']:.0f}", f"{r['gpu']:.0f}", r["file"]]
                  for r in bounded]
         print(C.format_table(table, ["shape", "segment", "measured us",

@@ -38,6 +38,15 @@ STAGES=${STAGES:-"tests tune bwd"}
 # capped by what is left, a stage is skipped with < 20 s left, so the archive always comes
 has() { [[ " $STAGES " == *" $1 "* ]] && (( ${SESSION_BUDGET:-560} - SECONDS > 20 )); }
 cap() { local left=$(( ${SESSION_BUDGET:-560} - SECONDS - 5 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
+# bench options of one split setting: auto (the backend's choice), exact (that with
+# segment_shortcut_bound=0), off (never split) or a segment length
+split_args() {
+  case "$1" in
+    auto) ;;
+    exact) echo --ours-shortcut-bound 0 ;;
+    *) echo --ours-segment-len "$1" ;;
+  esac
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 # the peer FlashQLA 0.1.3 when the bundle has it (its kernels precompiled in the cache)
@@ -61,10 +70,9 @@ if has tune; then
 fi
 if has bwd; then   # BWD_SEG_LENS: "auto" (default), "off" or lengths, one run each
   for len in ${BWD_SEG_LENS:-auto}; do
-    extra=(); [ "$len" != auto ] && extra=(--ours-segment-len "$len")
     timeout "$(cap "${BWD_TIMEOUT:-120}")" $B --mode bwd --peers "${BWD_PEERS:-none}" --tag "H200-bwd-$len" \
       --deadline-s $(( ${BWD_TIMEOUT:-120} - 80 )) --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
-      "${extra[@]}" --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" \
+      $(split_args "$len") --shapes "${BWD_SHAPES:-16/16@1x8192,16/16@1x32768,4/4@1x32768}" \
       > "$R/bwd-$len.txt" 2>&1
   done
 fi
@@ -85,10 +93,8 @@ if has profile; then
 fi
 if has seg; then
   for len in ${SEG_LENS:-auto off 1024 2048 4096}; do
-    extra=(); [ "$len" = exact ] && extra=(--ours-shortcut-bound 0)   # auto, no shortcut
-    [[ "$len" != auto && "$len" != exact ]] && extra=(--ours-segment-len "$len")
     timeout "$(cap 100)" python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode fwd --peers none \
-      --tag "H200-seg-$len" --deadline-s 85 "${extra[@]}" \
+      --tag "H200-seg-$len" --deadline-s 85 $(split_args "$len") \
       --shapes "${SEG_SHAPES:-2/8@1x32768,4/16@1x32768,16/16@1x32768,2/8@1x8192}" > "$R/seg-$len.txt" 2>&1
   done
   if [ -n "${SEG_PROFILE:-}" ]; then   # e.g. SEG_PROFILE="4/4@*" SEG_PROFILE_LEN=4096

@@ -2,7 +2,8 @@
 # Prepare the offline GPU bundle on the CPU machine, once per checkout (~15 min):
 # TileLang + FLA (+ FlashQLA 0.1.3 as a peer) wheels, and every sm90 kernel (and the
 # peer's, tools/prepare_flashqla_peer.py) compiled for sm_90a into a fresh
-# .offline-gpu/tilelang-cache, so device minutes go to running, not compiling. With ~/.cache/offline-gpu/gdn_prefill_sm90.so (built by
+# .offline-gpu/tilelang-cache, so device minutes go to running, not compiling. With
+# ~/.cache/offline-gpu/gdn_prefill_sm90.so (built by
 #   ../shared/offline-gpu/build-flashinfer-gdn ~/.cache/offline-gpu/gdn_prefill_sm90.so
 # in ~1 h, in the background) FlashInfer 0.6.13 comes too, as an AOT module (no JIT there).
 # Then: `run` with carry [".offline-gpu"] and `bash tools/h200_session.sh`.

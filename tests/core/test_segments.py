@@ -276,11 +276,11 @@ def test_plans_made_while_capturing_are_kept(monkeypatch):
     """A plan used inside a CUDA-graph capture stays alive (its device tensors and
     staging buffers are read by every replay), even after the LRU cache drops it."""
     monkeypatch.setattr(segments, "_CAPTURED_PLANS", {})
-    monkeypatch.setattr(segments, "_capturing", lambda device: True)
+    monkeypatch.setattr(segments, "is_capturing", lambda device: True)
     plan = segments._plan_for([0, 640], 128, torch.device("cpu"))
     segments._plan.cache_clear()
     assert list(segments._CAPTURED_PLANS.values()) == [plan]
-    monkeypatch.setattr(segments, "_capturing", lambda device: False)
+    monkeypatch.setattr(segments, "is_capturing", lambda device: False)
     segments._plan_for([0, 700], 128, torch.device("cpu"))
     assert len(segments._CAPTURED_PLANS) == 1
 
@@ -293,7 +293,7 @@ def test_only_dense_bounded_splits_run_inside_capture(monkeypatch, dense, bound,
     """Inside a capture: the bounded split of a dense input runs (its lengths are the
     shape); the exact split and any varlen split raise a ValueError naming
     segment_len (a replay could bring other lengths)."""
-    monkeypatch.setattr(segments, "_capturing", lambda device: True)
+    monkeypatch.setattr(segments, "is_capturing", lambda device: True)
     monkeypatch.setattr(segments, "_CAPTURED_PLANS", {})
     q, k, v, g, beta, s0, bounds = _inputs(None if dense else [200, 100], 1, 300, 1, 2,
                                            True, "typical")

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from flash_qla import validation
 from flash_qla.backend import BackendSpec, Kernels
 from flash_qla.segments import (
+    CHUNK,
     DEFAULT_SEGMENT_LEN,
     DEFAULT_SHORTCUT_BOUND,
     fwd_with_segments,
@@ -51,7 +52,7 @@ from flash_qla.segments import (
 )
 
 #: segment_len must keep chunk boundaries in place: a multiple of every backend's C.
-SEGMENT_MULTIPLE = 64
+SEGMENT_MULTIPLE = CHUNK
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -227,7 +228,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         ctx.scale, ctx.kernels, ctx.cu_seqlens_cpu = scale, kernels, cu_seqlens_cpu
         # the bounded split's backward where the backend has one (else the exact one)
         ctx.warmup = ((segment_len, shortcut_bound)
-                      if uses_warmup(kernels, segment_len, shortcut_bound)
+                      if segment_len is not None and uses_warmup(kernels, shortcut_bound)
                       and getattr(kernels, "bwd_warmup", None) is not None else None)
         ctx.g_dtype = g.dtype
         ctx.set_materialize_grads(False)
@@ -380,8 +381,8 @@ def chunk_gated_delta_rule(
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
     if segment_len is None and auto_cp is not False:
-        bounded = shortcut_bound > 0 and getattr(kernels, "fwd_warmup", None) is not None
-        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu, bounded)
+        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
+                                        uses_warmup(kernels, shortcut_bound))
 
     # Pre-passes: everything the kernels' canonical contract does not cover.
     if use_qk_l2norm_in_kernel:

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .validation import is_capturing
+
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "fwd_with_segments",
            "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "warmup_bwd",
            "warmup_ends", "warmup_fwd", "warmup_starts"]
@@ -195,14 +197,10 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
 _CAPTURED_PLANS: dict = {}
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _plan_for(bounds: list[int], segment_len: int, device: torch.device) -> _Plan:
     """:func:`_plan`, kept for the process's life when a graph is being captured."""
     plan = _plan(tuple(bounds), segment_len, device)
-    if _capturing(device):
+    if is_capturing(device):
         _CAPTURED_PLANS[(tuple(bounds), segment_len, device)] = plan
     return plan
 
@@ -356,10 +354,10 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
     return g_cumsum, A, o, None, final_state
 
 
-def uses_warmup(kernels, segment_len: int | None, shortcut_bound: float) -> bool:
-    """Whether a call with this split runs the bounded one (:func:`fwd_with_segments`)."""
-    return (segment_len is not None and shortcut_bound > 0
-            and getattr(kernels, "fwd_warmup", None) is not None)
+def uses_warmup(kernels, shortcut_bound: float) -> bool:
+    """Whether a split on ``kernels`` with this bound is the bounded one (the backend
+    has ``fwd_warmup`` and the bound is above 0), else the exact one."""
+    return shortcut_bound > 0 and getattr(kernels, "fwd_warmup", None) is not None
 
 
 def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
@@ -406,9 +404,8 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    bounded = (uses_warmup(kernels, segment_len, shortcut_bound) and not output_h
-               and bounds[-1] > bounds[0])
-    if _capturing(q.device) and not (bounded and cu_seqlens is None):
+    bounded = uses_warmup(kernels, shortcut_bound) and not output_h and bounds[-1] > bounds[0]
+    if is_capturing(q.device) and not (bounded and cu_seqlens is None):
         raise ValueError(f"segment_len: expected None inside CUDA-graph capture, except "
                          f"for the bounded split (segment_shortcut_bound > 0) of a dense "
                          f"input (cu_seqlens=None): the split is planned from the call's "

@@ -19,6 +19,7 @@ from . import traits
 from .chunk_bwd_dh import chunk_bwd_dh_kernel
 from .forward import (
     _DTYPE_NAMES,
+    _fused,
     _no_walk,
     _output_alloc,
     _packed,
@@ -27,7 +28,6 @@ from .forward import (
     fused_tiling,
     layout_for,
     total_chunks,
-    warmup_fused,
 )
 
 
@@ -80,11 +80,12 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     B, T = q.shape[:2]
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     layout = layout_for(q, cu_seqlens)
-    _, _, h = warmup_fused(
+    _, _, h = _fused(
         _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
-        _packed(beta, torch.float32), _packed(A), layout, *starts(g_cumsum), scale=scale,
+        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
         initial_state=initial_state, alloc=_output_alloc(cu_seqlens, cu_seqlens_cpu, B * T),
-        num_chunks=total_chunks(layout, cu_seqlens_cpu))                 # [NT,Hv,K,V]
+        num_chunks=total_chunks(layout, cu_seqlens_cpu),
+        walks=starts(g_cumsum))                                          # h [NT,Hv,K,V]
     walk_end, dht_from = ends(g_cumsum)
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, walk_end=walk_end,
                            dht_from=dht_from, **common)

@@ -173,6 +173,23 @@ def warmup_available(K: int, V: int) -> bool:
     return (K, V) == (128, 128) and traits.FWD_TRANSPOSED and transposed_kernel() == "ws"
 
 
+def bounded_gpu_us(lens: list[int], Hv: int, seg: int) -> float:
+    """Predicted GPU time, us, of the bounded split at segment length ``seg``: one ws
+    pass of ``seg`` chunks + ``traits.WARMUP_CHUNKS`` warm-up per CTA (one wave), and
+    the prepare."""
+    chunks = [-(-n // CHUNK) for n in lens if n > 0]
+    return ((seg // CHUNK + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
+            + _prepare_us(chunks, Hv))
+
+
+def exact_passes_us(lens: list[int], Hv: int, K: int, V: int, sm_count: int,
+                    seg: int) -> float:
+    """Predicted time, us, of the exact split's three fused passes and one prepare over
+    the segments of length ``seg`` (the planner adds the scan and the fixed cost)."""
+    pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
+    return 3 * _fused_us(pieces, Hv, K, V, sm_count) + _prepare_us(pieces, Hv)
+
+
 def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> int | None:
     """The bounded split's segment length (``traits.WARMUP_SEGMENT_LENS``), or None:
     the shortest whose segments x Hv CTAs fit one wave, if its predicted time (at least
@@ -181,16 +198,14 @@ def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> in
     if not warmup_available(K, V):
         return None
     longest = max(lens, default=0)
-    chunks = [-(-n // CHUNK) for n in lens if n > 0]
     unsplit = predicted_fwd_us(lens, Hv, K, V, sm_count)
     for seg in traits.WARMUP_SEGMENT_LENS:
         if seg >= longest:
             return None                                   # splits nothing
         if sum(-(-n // seg) for n in lens if n > 0) * Hv > sm_count:
             continue                                      # more than one wave
-        gpu = ((seg // CHUNK + traits.WARMUP_CHUNKS) * traits.FWD_CHUNK_US_TRANSPOSED["ws"]
-               + _prepare_us(chunks, Hv))
-        us = max(gpu, traits.WARMUP_HOST_US)          # an eager call is host-bound below
+        us = max(bounded_gpu_us(lens, Hv, seg),       # an eager call is host-bound below
+                 traits.WARMUP_HOST_US)
         return seg if us < unsplit * (1 - traits.SEGMENT_MIN_GAIN) else None
     return None
 
@@ -224,8 +239,7 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int, sm_count: int,
         steps = -(-longest // seg)                    # scan positions
         if steps < 2:
             continue                                  # no sequence is split at this length
-        pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
-        us = (3 * _fused_us(pieces, Hv, K, V, sm_count) + _prepare_us(pieces, Hv)
+        us = (exact_passes_us(lens, Hv, K, V, sm_count, seg)
               + steps * traits.SEGMENT_SCAN_STEP_US + traits.SEGMENT_FIXED_US)
         if us < best_us:
             best, best_us = seg, us
@@ -240,13 +254,16 @@ def _no_walk(device: torch.device) -> torch.Tensor:
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
-           num_chunks: int | None, alloc, tiling: tuple | str | None = None):
+           num_chunks: int | None, alloc, tiling: tuple | str | None = None,
+           walks: tuple | None = None):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
     ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` or a name in
     ``TRANSPOSED_KERNELS``, overriding :func:`fused_plan`'s choice (tuning).
+    ``walks``: ``(walk, h0_from)`` ``[N, Hv]`` int32 of the bounded split, run by
+    ``chunk_fwd_ws`` with ``warmup`` (the sequences of ``layout`` are its segments).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -257,16 +274,20 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
     h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
-    if tiling is None:
-        tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
-    walk = (_no_walk(q.device),) * 2 if tiling == "ws" else ()   # ws only: unread
-    if tiling in TRANSPOSED_KERNELS:
-        kernel = TRANSPOSED_KERNELS[tiling](_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h)
+    dtype = _DTYPE_NAMES[q.dtype]
+    if walks is not None:                                # the bounded split
+        kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h, True)
     else:
-        kernel = chunk_fwd_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, *tiling)
+        if tiling is None:
+            tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
+        walks = (_no_walk(q.device),) * 2 if tiling == "ws" else ()   # ws only: unread
+        if tiling in TRANSPOSED_KERNELS:
+            kernel = TRANSPOSED_KERNELS[tiling](dtype, K, V, has_h0, store_h)
+        else:
+            kernel = chunk_fwd_kernel(dtype, K, V, has_h0, store_h, *tiling)
     kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
-        h0, float(scale), o, final_state, h, *walk)
+        h0, float(scale), o, final_state, h, *walks)
     return o, final_state, (h if store_h else None)
 
 
@@ -324,38 +345,18 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     start and initial-state row (``[Nseg, Hv]`` int32 each). Returns ``(g_cumsum
     [B,T,Hv], A [B,T,Hv,C], o [B,T,Hv,V], final_state [Nseg,Hv,K,V])``, the final state
     of every segment."""
-    B, T, Hk, K = q.shape
+    B, T = q.shape[:2]
     Hv, V = v.shape[2:]
     layout = layout_for(q, cu_seqlens)
     alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
     k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
     g_cumsum, A = _prepare(k_p, g, beta_p, layout, alloc)
-    o, final_state, _ = warmup_fused(_packed(q), k_p, _packed(v), g_cumsum, beta_p, A,
-                                     layout, *starts(g_cumsum), scale=scale,
-                                     initial_state=initial_state, alloc=alloc)
+    o, final_state, _ = _fused(
+        _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
+        initial_state=initial_state, num_chunks=None, alloc=alloc,
+        walks=starts(g_cumsum))                                  # [Nseg, Hv] int32 each
     return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             final_state)
-
-
-def warmup_fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, walk, h0_from, *, scale,
-                 initial_state, alloc, num_chunks: int | None = None):
-    """``chunk_fwd_ws`` with ``warmup`` on packed inputs (as :func:`_fused`) over the
-    segments of ``layout``, each (segment, head) walking from ``walk`` with the state
-    row ``h0_from`` (``[Nseg, Hv]`` int32). Returns ``(o [Tt, Hv, V], final_state
-    [Nseg, Hv, K, V], h)``: h ``[num_chunks, Hv, K, V]`` (every chunk's start state,
-    the segments' own chunks) when ``num_chunks`` is given, else None."""
-    K, (Hv, V) = q.shape[-1], v.shape[1:]
-    o = alloc(q.shape[0], Hv, V, dtype=q.dtype, device=q.device)
-    final_state = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32,
-                              device=q.device)
-    has_h0 = initial_state is not None
-    h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
-    store_h = num_chunks is not None
-    h = final_state.new_empty(num_chunks, Hv, K, V) if store_h else final_state[:1]
-    chunk_fwd_ws_kernel(_DTYPE_NAMES[q.dtype], K, V, has_h0, store_h, True)(
-        q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets, h0,
-        float(scale), o, final_state, h, walk, h0_from)
-    return o, final_state, (h if store_h else None)
 
 
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
