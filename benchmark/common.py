@@ -914,6 +914,8 @@ def task_profile(spec: dict) -> dict:
             for e in prof.key_averages():
                 if e.self_cpu_time_total > 0:
                     table[e.key] = {"us": e.self_cpu_time_total / iters, "calls": e.count / iters}
+            if dev != "cpu":
+                table.update(host_wall(fn, iters))
         else:
             for e in prof.events():
                 if str(getattr(e, "device_type", "")).endswith("CUDA"):
@@ -940,6 +942,37 @@ def task_profile(spec: dict) -> dict:
             res["bwd_status"] = "ok"
     res["status"] = "ok"
     return res
+
+
+def host_wall(fn, iters: int) -> dict:
+    """Two pseudo-rows of a host profile: ``(host wall per call)``, the median
+    wall-clock time until a call returns (no sync between calls: the host's own cost
+    while the GPU runs behind), and ``(synchronising ops)``, the ops of one call that
+    torch's sync debug mode reports (a host wait on the GPU; its first message is kept).
+    """
+    import warnings
+
+    import torch
+
+    samples = []
+    for _ in range(max(iters, 20)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught
+             if "synchroniz" in str(w.message).lower()]
+    rows = {"(host wall per call)": {"us": statistics.median(samples), "calls": 1.0}}
+    rows["(synchronising ops)"] = {"us": 0.0, "calls": float(len(syncs)),
+                                   "first": syncs[0] if syncs else ""}
+    return rows
 
 
 def worker_main(spec_path: str) -> int:

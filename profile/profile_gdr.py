@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmark"))
 import common as C  # noqa: E402  (benchmark/common.py, shared with the benchmark)
 
-SETS = ("develop", "product", "varlen")
+SETS = ("develop", "product", "varlen", "few-head")
 CPU_TINY = ["2/4@1x128"]
 DEFAULT_OUT = os.path.join(HERE, "results")
 
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SETS,
         default="develop",
         help="configuration set: develop (B=1, T=32768, Hk=Hv in 4, 8, 16), product "
-        "(the Qwen head configurations at 8k and 32k tokens), varlen (packed batches); "
+        "(the Qwen head configurations at 8k and 32k tokens), varlen (packed batches), "
+        "few-head (GVA 2/4 .. 4/16 at 1x32768 and 1x8192); "
         "read from profile/settings/<set>.csv (default: develop)",
     )
     p.add_argument("--settings", metavar="CSV", help="another settings file (columns hk,hv,layout)")
@@ -142,7 +143,10 @@ def short(name: str, n: int = 90) -> str:
 
 
 def total_us(table: dict | None) -> float | None:
-    return sum(r["us"] for r in table.values()) if table else None
+    """Summed time of a table's kernels / ops (pseudo-rows named "(...)" excluded)."""
+    if not table:
+        return None
+    return sum(r["us"] for n, r in table.items() if not n.startswith("("))
 
 
 def render(meta: dict, results: list[dict], args, tag: str) -> str:
@@ -191,6 +195,8 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
         head += ["FLA fwd us", "vs FLA fwd"]
     if on_gpu:
         head += ["floor us", "ours % of floor"]
+    if args.host:
+        head += ["ours fwd host wall us", "syncs (first)"]
     if not args.skip_bwd:
         head += ["ours bwd us"] + (["FLA bwd us", "vs FLA bwd"] if peer else [])
     rows = []
@@ -218,6 +224,11 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
                 f"{fl['floor_ms'] * 1e3:.1f} ({fl['bound']})",
                 f"{fl['floor_ms'] * 1e3 / t:.0%}" if t else "",
             ]
+        if args.host:
+            tab = o.get("fwd") or {}
+            wall, syncs = tab.get("(host wall per call)"), tab.get("(synchronising ops)")
+            row += [f"{wall['us']:.1f}" if wall else "–",
+                    f"{syncs['calls']:.0f} ({syncs.get('first', '')[:60]})" if syncs else "–"]
         if not args.skip_bwd:
             row += [cell(o, "bwd")] + ([cell(f_, "bwd"), ratio("bwd")] if peer else [])
         rows.append(row)

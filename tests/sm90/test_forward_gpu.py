@@ -383,7 +383,7 @@ def test_split_inside_graph_capture():
         with torch.cuda.graph(graphs[3]):
             captured_varlen, _ = flash_qla.chunk_gated_delta_rule(**varlen)
     fresh = make_inputs(Case(1, 32768, 2, 8), seed=7)
-    for name in ("q", "k", "v", "g", "beta"):
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
         dense[name].copy_(fresh[name])
     graphs[0].replay()
     graphs[3].replay()
