@@ -308,23 +308,26 @@ BOUNDED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("bound", [2.0 ** -9, 0.25], ids=["default", "loose"])
 @pytest.mark.parametrize("case, segment_len", BOUNDED_CASES,
                          ids=[f"{c.id}-seg{s}" for c, s in BOUNDED_CASES])
-def test_bounded_split_agrees_with_torch_backend(case, segment_len):
-    """The kernel's warm-up walks (chunk_fwd_ws with warmup) against the torch backend's
-    fwd_warmup (each segment and head run from its walk start) on the same inputs and
-    bound: same walks, so the same dropped history; and the typical-gate case does drop
-    some (the shortcut is taken there)."""
+def test_bounded_split_agrees_with_torch_backend(case, segment_len, bound):
+    """The kernel's warm-up walks (chunk_fwd_ws with warmup, searched in the kernel)
+    against the torch backend's fwd_warmup (each segment and head run from the walk
+    start of segments.warmup_starts) on the same inputs and bound: same walks, so the
+    same dropped history. The loose bound drops a lot (walks of a chunk or two): a walk
+    one chunk off would differ far beyond the tolerance. The typical-gate case does drop
+    some at the default bound (the shortcut is taken there)."""
     from flash_qla import segments
 
     inp = make_inputs(case, seed=13)
-    kw = dict(output_final_state=True, segment_len=segment_len)
+    kw = dict(output_final_state=True, segment_len=segment_len, segment_shortcut_bound=bound)
     ours = flash_qla.chunk_gated_delta_rule(**inp, **kw)
     ref = flash_qla.chunk_gated_delta_rule(**inp, **kw, backend="torch")
     for name, a, b in zip(("o", "final_state"), ours, ref):
         assert a.shape == b.shape, name
         assert rel_l2(a.float(), b.float()) < TOL[case.dtype], name
-    if case.gate == "typical" and not case.lens:
+    if case.gate == "typical" and not case.lens and bound < 0.01:
         plan = segments._plan((0, case.T), segment_len, inp["q"].device)
         gc = flash_qla.chunk_gated_delta_rule_fwd(**inp)[0]
         _, h0_from = segments.warmup_starts(gc.reshape(1, -1, case.Hv), plan, 2.0 ** -9)

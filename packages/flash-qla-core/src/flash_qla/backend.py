@@ -72,10 +72,12 @@ class Kernels(Protocol):
     # Optional: ``fwd_warmup(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
     # cu_seqlens_cpu, starts) -> (g_cumsum, A, o, final_state)``: the bounded segment
     # split in one pass (``flash_qla.segments.warmup_fwd``): ``cu_seqlens`` holds the
-    # segments, ``starts(g_cumsum)`` returns ``(walk, h0_from)`` ``[Nseg, Hv]`` int32
-    # (where each (segment, head) starts its recurrence, and from which sequence's
-    # initial state, -1 for zero); o is stored only from each segment's start;
-    # final_state ``[Nseg, Hv, K, V]`` is every segment's.
+    # segments, ``starts`` (a ``flash_qla.segments.WalkStarts``) is the walk rule:
+    # ``starts(g_cumsum)`` returns ``(walk, h0_from)`` ``[Nseg, Hv]`` int32 (where each
+    # (segment, head) starts its recurrence, and from which sequence's initial state, -1
+    # for zero), or a kernel searches the same walks itself from ``starts.seq_start``,
+    # ``starts.seq_index`` and ``starts.log_bound``; o is stored only from each
+    # segment's start; final_state ``[Nseg, Hv, K, V]`` is every segment's.
 
 
 @dataclass(frozen=True)

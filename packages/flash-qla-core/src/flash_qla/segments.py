@@ -48,7 +48,8 @@ from torch import Tensor
 from .validation import is_capturing
 
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "fwd_with_segments",
-           "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "warmup_bwd",
+           "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "WalkStarts",
+           "warmup_bwd",
            "warmup_ends", "warmup_fwd", "warmup_starts"]
 
 #: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``
@@ -152,6 +153,8 @@ class _Plan:
     seq_chunk_end: Tensor   # [Nseg] long: ... and after its sequence
     seq_eos: Tensor         # [Nseg] long: its sequence's end token
     first_seg: Tensor       # [N] long: each sequence's first segment (0 if it has none)
+    seg_seq_start: Tensor   # [Nseg] int32: its sequence's first token (kernel walks)
+    seg_seq: Tensor         # [Nseg] int32: its sequence (seg_n, as the kernels read it)
     any_empty: bool         # a sequence without tokens (its final state is h0 or 0)
     staging: tuple = ()     # pinned host buffers the device tensors were copied from
 
@@ -187,8 +190,10 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
                        + seq_chunk1 + walk_off + seg_chunk_end + seq_chunk_end + seq_eos
                        + first_seg, device, torch.long, staging)
     slot_t, *rest = index.split(sizes)
-    return _Plan(N, Nseg, J, _to_device(seg, device, torch.int32, staging),
-                 torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N), *rest,
+    small = _to_device(seg + seq_bos + seg_n, device, torch.int32, staging)   # int32
+    cu, seq_start, seq = small.split([Nseg + 1, Nseg, Nseg])
+    return _Plan(N, Nseg, J, cu, torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N),
+                 *rest, seg_seq_start=seq_start, seg_seq=seq,
                  any_empty=min(counts, default=0) == 0, staging=tuple(staging))
 
 
@@ -331,6 +336,33 @@ def warmup_starts(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, 
     return walk, h0_from
 
 
+@dataclass(frozen=True)
+class WalkStarts:
+    """The ``starts`` of ``Kernels.fwd_warmup`` / ``bwd_warmup``: the walk rule of one
+    plan and bound. Called with g_cumsum, it computes the walks on the device
+    (:func:`warmup_starts`, about a dozen small launches: the reference, and what
+    backends without an in-kernel search use); a kernel can instead search them itself
+    from ``seq_start`` / ``seq_index`` (``[Nseg]`` int32: each segment's sequence's first
+    token and index) and ``log_bound`` (natural log), the same rule."""
+    plan: _Plan
+    bound: float
+
+    def __call__(self, g_cumsum: Tensor) -> tuple[Tensor, Tensor]:
+        return warmup_starts(g_cumsum, self.plan, self.bound)
+
+    @property
+    def seq_start(self) -> Tensor:
+        return self.plan.seg_seq_start
+
+    @property
+    def seq_index(self) -> Tensor:
+        return self.plan.seg_seq
+
+    @property
+    def log_bound(self) -> float:
+        return math.log(self.bound)
+
+
 def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
                bounds: list[int], output_final_state: bool, segment_len: int,
                shortcut_bound: float):
@@ -341,8 +373,7 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
     plan = _plan_for(bounds, segment_len, q.device)
     g_cumsum, A, o, final_seg = kernels.fwd_warmup(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
-        cu_seqlens_cpu=plan.cu_cpu,
-        starts=functools.partial(warmup_starts, plan=plan, bound=shortcut_bound))
+        cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound))
     final_state = None
     if output_final_state:                             # the last segment's, per sequence
         final_state = final_seg.index_select(0, plan.last_seg)           # [N,Hv,K,V]
@@ -378,7 +409,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
     walks = dict(plan=plan, bound=shortcut_bound)
     *grads, dh0_seg = kernels.bwd_warmup(
         *packed, dht=dht, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
-        cu_seqlens_cpu=plan.cu_cpu, starts=functools.partial(warmup_starts, **walks),
+        cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound),
         ends=functools.partial(warmup_ends, **walks))
     dh0 = None
     if initial_state is not None:                    # each sequence's first segment

@@ -56,7 +56,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     # the forward's tiling rule, narrow or default (the sweep has no wide variant)
     tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
     warmup = walk_end is not None
-    walks = (walk_end, dht_from) if warmup else (_no_walk(q.device),) * 2
+    walks = (walk_end, dht_from) if warmup else (_no_walk(q.device).view(1, 1),) * 2
     statics = ((tiling[0] if tiling else traits.BLOCK_V, True) if warmup
                else tiling[:1])                     # the shipped cache's exact keys
     chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)(
@@ -70,8 +70,9 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
                      cu_seqlens, cu_seqlens_cpu, starts, ends):
     """``Kernels.bwd_warmup``: the backward of the bounded segment split
     (``flash_qla.segments.warmup_bwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
-    segments; ``starts`` / ``ends`` map g_cumsum to each (segment, head)'s forward walk
-    and reverse walk. The chunk states come from the warm-up forward (its own chunks
+    segments; ``starts`` is the forward walks' rule (``flash_qla.segments.WalkStarts``,
+    searched by the warm-up forward kernel), ``ends`` maps g_cumsum to each (segment,
+    head)'s reverse walk. The chunk states come from the warm-up forward (its own chunks
     per segment), dS1 from the warm-up reverse sweep, then ``chunk_bwd_intra`` as in
     :func:`chunk_bwd`. Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment
     ``[Nseg, Hv, K, V]`` (None without an initial state)."""
@@ -85,7 +86,7 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
         _packed(beta, torch.float32), _packed(A), layout, scale=scale,
         initial_state=initial_state, alloc=_output_alloc(cu_seqlens, cu_seqlens_cpu, B * T),
         num_chunks=total_chunks(layout, cu_seqlens_cpu),
-        walks=starts(g_cumsum))                                          # h [NT,Hv,K,V]
+        walks=starts)                                                    # h [NT,Hv,K,V]
     walk_end, dht_from = ends(g_cumsum)
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, walk_end=walk_end,
                            dht_from=dht_from, **common)

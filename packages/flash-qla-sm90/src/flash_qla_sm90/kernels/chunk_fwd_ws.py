@@ -41,7 +41,7 @@ import tilelang
 import tilelang.language as T
 
 from .tile_ops import LOG2E, fetch_gates
-from .traits import CHUNK, PASS_CONFIGS, TARGET
+from .traits import CHUNK, PASS_CONFIGS, TARGET, WALK_UNROLL
 
 ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
 #: Shared-memory slots: the state works on chunk c - 1 while the aux warpgroup prepares
@@ -65,21 +65,26 @@ AUX_BARRIER = 1
 def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
                         warmup: bool = False):
     """Build the forward; arguments and outputs as ``chunk_fwd_kernel`` (state layouts
-    [.., K, V]; the kernel transposes on load and store), plus ``walk`` and ``h0_from``
-    (``[NW, HW]`` int32), read only when ``warmup``.
+    [.., K, V]; the kernel transposes on load and store), plus ``seq_start`` and
+    ``seq_index`` (``[NW]`` int32) and ``log_bound``, read only when ``warmup``.
 
-    ``warmup`` (the bounded segment split, ``flash_qla.segments.warmup_starts``): the
-    "sequences" of ``cu_seqlens`` are segments, and CTA (n, h) starts its recurrence at
-    token ``walk[n, h]`` (<= cu_seqlens[n], on the chunk grid of the segment's sequence)
-    from the state ``initial_state[h0_from[n, h], h]`` (zero where h0_from < 0), then
-    stores o only from ``cu_seqlens[n]`` on: the chunks before are a warm-up, which
-    rebuilds the segment's start state up to what decayed below the bound.
+    ``warmup`` (the bounded segment split, the rule of ``flash_qla.segments.
+    warmup_starts``, searched here): the "sequences" of ``cu_seqlens`` are segments;
+    segment n belongs to sequence ``seq_index[n]``, which starts at token
+    ``seq_start[n]``. CTA (n, h) walks back over the whole chunks before its segment,
+    summing their decays (g_cumsum at each chunk's last token, clamped at 0), and starts
+    its recurrence at the first chunk boundary where the sum is <= ``log_bound`` (natural
+    log) from a zero state, or at the sequence's start from ``initial_state[seq_index[n],
+    h]``; it stores o only from ``cu_seqlens[n]`` on: the chunks before are a warm-up,
+    which rebuilds the segment's start state up to what decayed below the bound. The
+    search loads WALK_UNROLL chunk totals per step (independent loads), so a walk back
+    over m chunks waits on ceil(m / WALK_UNROLL) memory round trips.
     ``final_state[n]`` is the segment's final state; with ``store_h``, h is stored for
     the segment's own chunks only (rows from ``chunk_offsets[n]``, the segment's first
     chunk in the sequences' chunk numbering), not for the warm-up."""
     C = CHUNK
     # N0: initial_state's rows (sequences; with ``warmup`` N counts segments)
-    Tt, Hk, Hv, N, N0, N1, NTh, NW, HW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW, HW")
+    Tt, Hk, Hv, N, N0, N1, NTh, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW")
     f32 = "float32"
 
     @T.macro
@@ -122,8 +127,9 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         o: T.Tensor((Tt, Hv, V), dtype),
         final_state: T.Tensor((N, Hv, K, V), f32),
         h_out: T.Tensor((NTh, Hv, K, V), f32),
-        walk: T.Tensor((NW, HW), "int32"),
-        h0_from: T.Tensor((NW, HW), "int32"),
+        seq_start: T.Tensor((NW,), "int32"),
+        seq_index: T.Tensor((NW,), "int32"),
+        log_bound: T.float32,
     ):
         with T.Kernel(N * Hv, threads=384) as bx:
             # SLOTS slots of everything the aux warpgroup prepares for one chunk
@@ -156,7 +162,25 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             bos = T.alloc_var("int32", init=cu_seqlens[n])        # first token walked
             if warmup:
                 out_bos = T.alloc_var("int32", init=bos)           # first token of o
-                bos = walk[n, h]
+                # the walk's start: the latest chunk boundary >= seq0 whose whole
+                # chunks up to the segment decay by <= log_bound, else seq0
+                seq0 = T.alloc_var("int32", init=seq_start[n])
+                prefix = T.alloc_var("int32", init=(out_bos - seq0) // C)   # chunks
+                found = T.alloc_var("int32", init=0)
+                decay = T.alloc_var(f32, init=0.0)
+                totals = T.alloc_local((WALK_UNROLL,), f32)   # a step's chunk totals
+                bos = seq0
+                for step in T.serial(T.ceildiv(prefix, WALK_UNROLL)):
+                    if found == 0:
+                        for u in T.unroll(WALK_UNROLL):    # independent (clamped) loads
+                            totals[u] = g_cumsum[
+                                T.max(out_bos - (step * WALK_UNROLL + u) * C - 1, 0), h]
+                        for u in T.unroll(WALK_UNROLL):    # chunk m ends m chunks back
+                            if (found == 0) & (step * WALK_UNROLL + u < prefix):
+                                decay = decay + T.min(totals[u], 0.0)
+                                if decay <= log_bound:
+                                    found = 1
+                                    bos = out_bos - (step * WALK_UNROLL + u + 1) * C
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             last = T.alloc_var("int32", init=bos + seq_len - 1)
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])
@@ -227,8 +251,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     for i, j in T.Parallel(V, K):
                         st[i, j] = initial_state[n, h, j, i]
                 elif has_initial_state:                   # the walk's start state
-                    src = T.alloc_var("int32", init=h0_from[n, h])
-                    if src >= 0:
+                    if bos == seq0:                       # the sequence's own start
+                        src = T.alloc_var("int32", init=seq_index[n])
                         for i, j in T.Parallel(V, K):
                             st[i, j] = initial_state[src, h, j, i]
                     else:

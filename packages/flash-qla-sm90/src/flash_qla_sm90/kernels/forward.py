@@ -212,6 +212,23 @@ def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> in
 
 def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int, sm_count: int,
                      bounded: bool = False) -> int | None:
+    """:func:`_plan_segment_len`, cached per (lengths, heads, dims, SMs, split kind and
+    the ``traits`` it reads): a training loop or a server repeats the same lengths, and
+    an eager call's host time is the bounded split's floor (the planner costs ~50 us of
+    Python, the cache key ~5)."""
+    return _plan_segment_len(tuple(bounds), Hv, K, V, sm_count, bounded, _traits_key())
+
+
+def _traits_key() -> tuple:
+    """The current ``traits`` values (upper-case names; dicts as sorted items), so a
+    cached plan is never reused after a trait changes (tests and tuning patch them)."""
+    return tuple((name, tuple(sorted(value.items())) if isinstance(value, dict) else value)
+                 for name, value in vars(traits).items() if name.isupper())
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_segment_len(bounds: tuple[int, ...], Hv: int, K: int, V: int, sm_count: int,
+                      bounded: bool, traits_key: tuple) -> int | None:
     """The automatic segment-parallelism choice (``auto_cp``), or None (no split; also
     whenever ``traits.SEGMENT_AUTO`` is off). ``bounds``: host sequence offsets
     ``[N + 1]``. ``bounded``: for the one-pass bounded split (:func:`_plan_bounded`).
@@ -248,9 +265,18 @@ def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int, sm_count: int,
 
 @functools.lru_cache(maxsize=8)
 def _no_walk(device: torch.device) -> torch.Tensor:
-    """``[1, 1]`` int32: the ``walk`` / ``h0_from`` of a ws launch without warm-up (its
-    kernel never reads them)."""
-    return torch.zeros(1, 1, dtype=torch.int32, device=device)
+    """``[1]`` int32: the ``seq_start`` / ``seq_index`` of a ws launch without warm-up
+    (its kernel never reads them)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _walk_args(walks, device: torch.device) -> tuple:
+    """The ws kernel's last three arguments: ``(seq_start, seq_index, log_bound)`` of
+    the bounded split's walk rule (``flash_qla.segments.WalkStarts``), or unread
+    placeholders."""
+    if walks is None:
+        return _no_walk(device), _no_walk(device), 0.0
+    return walks.seq_start, walks.seq_index, float(walks.log_bound)
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
@@ -262,8 +288,9 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
     ``[NT, Hv, K, V]`` fp32. ``tiling``: ``(block_v, threads[, stages])`` or a name in
     ``TRANSPOSED_KERNELS``, overriding :func:`fused_plan`'s choice (tuning).
-    ``walks``: ``(walk, h0_from)`` ``[N, Hv]`` int32 of the bounded split, run by
-    ``chunk_fwd_ws`` with ``warmup`` (the sequences of ``layout`` are its segments).
+    ``walks``: the bounded split's walk rule (``flash_qla.segments.WalkStarts``), run
+    by ``chunk_fwd_ws`` with ``warmup``, which searches each walk's start itself (the
+    sequences of ``layout`` are the segments).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -277,17 +304,18 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     dtype = _DTYPE_NAMES[q.dtype]
     if walks is not None:                                # the bounded split
         kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h, True)
+        extra = _walk_args(walks, q.device)
     else:
         if tiling is None:
             tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
-        walks = (_no_walk(q.device),) * 2 if tiling == "ws" else ()   # ws only: unread
+        extra = _walk_args(None, q.device) if tiling == "ws" else ()   # ws only: unread
         if tiling in TRANSPOSED_KERNELS:
             kernel = TRANSPOSED_KERNELS[tiling](dtype, K, V, has_h0, store_h)
         else:
             kernel = chunk_fwd_kernel(dtype, K, V, has_h0, store_h, *tiling)
     kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
-        h0, float(scale), o, final_state, h, *walks)
+        h0, float(scale), o, final_state, h, *extra)
     return o, final_state, (h if store_h else None)
 
 
@@ -341,8 +369,8 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
                starts):
     """``Kernels.fwd_warmup``: the bounded segment split in one pass
     (``flash_qla.segments.warmup_fwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
-    segments (``[Nseg + 1]``); ``starts(g_cumsum)`` gives each (segment, head)'s walk
-    start and initial-state row (``[Nseg, Hv]`` int32 each). Returns ``(g_cumsum
+    segments (``[Nseg + 1]``); ``starts`` is the walk rule
+    (``flash_qla.segments.WalkStarts``), searched by the kernel. Returns ``(g_cumsum
     [B,T,Hv], A [B,T,Hv,C], o [B,T,Hv,V], final_state [Nseg,Hv,K,V])``, the final state
     of every segment."""
     B, T = q.shape[:2]
@@ -354,7 +382,7 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     o, final_state, _ = _fused(
         _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
         initial_state=initial_state, num_chunks=None, alloc=alloc,
-        walks=starts(g_cumsum))                                  # [Nseg, Hv] int32 each
+        walks=starts)
     return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             final_state)
 

@@ -12,6 +12,11 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 #: Chunk length C of the chunked form (gdn-math.md); one WGMMA M-tile.
 CHUNK = 64
 
+#: Chunk totals the bounded split's in-kernel walk search (``chunk_fwd_ws`` with
+#: ``warmup``) loads per step: independent loads, so a walk back over m chunks waits on
+#: ceil(m / WALK_UNROLL) memory round trips instead of m.
+WALK_UNROLL = 8
+
 #: Head dims served: (K, V).
 HEAD_DIMS = ((128, 128),)
 
