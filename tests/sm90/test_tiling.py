@@ -156,7 +156,11 @@ def test_bounded_plan_fills_one_wave(monkeypatch):
     assert plan([0, 32768], 4) == 1024
     assert plan([0, 32768], 64) == 16384               # 64 pairs -> 128 CTAs
     assert plan([0, 16384], 8) == 1024
-    assert plan([0, 8192], 8) is None                  # ~0.5 ms: below the host floor
+    assert plan([0, 8192], 8) == 512                   # 16 x 8 = 128 CTAs
+    monkeypatch.setattr(traits, "WARMUP_HOST_US", 600.0)
+    assert plan([0, 8192], 8) is None                  # ~0.5 ms: below that host floor
+    monkeypatch.undo()
+    monkeypatch.setattr(traits, "SEGMENT_AUTO", True)
     assert plan([0, 60000, 60007, 60307], 4) == 2048   # 30 + 1 + 1 segments x 4
     assert plan([b * 8192 for b in range(5)], 16) == 4096  # 64 pairs -> 128 CTAs
     for bounds, Hv in (([b * 4096 for b in range(9)], 32), ([0, 32768], 132),

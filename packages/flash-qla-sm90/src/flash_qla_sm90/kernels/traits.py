@@ -103,19 +103,21 @@ SEGMENT_MIN_GAIN = 0.05
 #: bound (every walk back to its sequence start), costs about the unsplit ws pass; and
 #: only when its predicted time beats the unsplit one by ``SEGMENT_MIN_GAIN``: the GPU
 #: time, ``(segment chunks + WARMUP_CHUNKS)`` ws chunk steps + the prepare, but at
-#: least ``WARMUP_HOST_US``, the host time of an eager bounded-split call (the API, ~20
-#: small torch launches of the walk starts, two TileLang launches). WARMUP_CHUNKS: a
+#: least ``WARMUP_HOST_US``, the host time of an eager bounded-split call (the API, a
+#: few small torch launches, two TileLang launches). WARMUP_CHUNKS: a
 #: typical walk at the benchmark's 'model' gates (Qwen3-Next init: the slowest heads
 #: need ~4000 tokens to decay to 2^-9, most far fewer). H200, 2026-11-30 (sixth session,
 #: call 3): 2/8 1x8192 split at 512 took 0.588 ms against 0.505 unsplit, the 1x32768
 #: rows 0.58-0.67 ms (FLA 0.85-1.31) where the GPU work alone is ~0.3-0.6 ms: host-bound;
 #: after the host cuts (call 4) 0.48-0.60 on five rows, median 525 us:
-#: ``benchmark/fit_segment_cost.py --bounded <call 4's H200-fla.json>``. With it 16/16
-#: 4x8192 (0.614 ms unsplit) is split at 4096 (predicted ~0.53; not yet measured) and
-#: 2/8 1x8192 (0.505) is not.
+#: ``benchmark/fit_segment_cost.py --bounded <call 4's H200-fla.json>``. Seventh
+#: session (call 3): with the walk starts searched in the kernel (no torch launches for
+#: them) the eager calls are GPU-bound: eager 0.244-0.550 ms against graph replay
+#: 0.206-0.583 on five 1x32768 rows, so the host floor is at most ~250 us (the eager
+#: 2/4 row); with 250 the 1x8192 few-head rows and 16/16 4x8192 split.
 WARMUP_SEGMENT_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 WARMUP_CHUNKS = 16
-WARMUP_HOST_US = 525.0
+WARMUP_HOST_US = 250.0
 
 #: Software-pipelining depth of the chunk loop (TMA loads of chunk c+1 overlap chunk c).
 FWD_STAGES = 2
