@@ -967,8 +967,10 @@ def host_wall(fn, iters: int) -> dict:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    # torch's message for each sync ("called a synchronizing CUDA operation"), not its
+    # notice that the debug mode is a prototype
     syncs = [str(w.message).splitlines()[0] for w in caught
-             if "synchroniz" in str(w.message).lower()]
+             if "synchronizing cuda operation" in str(w.message).lower()]
     rows = {"(host wall per call)": {"us": statistics.median(samples), "calls": 1.0}}
     rows["(synchronising ops)"] = {"us": 0.0, "calls": float(len(syncs)),
                                    "first": syncs[0] if syncs else ""}
