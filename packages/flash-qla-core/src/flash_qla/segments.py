@@ -32,7 +32,8 @@ to its start again as a warm-up, storing o only from its start on. What it drops
 ``beta |k|^2 <= 2`` (L2-normalised keys, beta in [0, 1]) and g <= 0. Where the gates do
 not decay that far the walk reaches the sequence start (from its initial state): the
 exact recurrence, never an approximation; ``g = 0`` always walks the whole history.
-No host sync: the walks are computed on the device from the prepare's gate cumsum.
+No host sync: the walks are found on the device from the prepare's gate cumsum (by
+:func:`warmup_starts`, or by the backend's kernel: :class:`WalkStarts`).
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ def warmup_starts(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, 
     must be <= 0 (log decays, as everywhere); one above 0 counts as 0 (the bound then
     does not hold for the walks over it).
     """
-    # a dozen small launches, no more: this runs on every call's host path
+    # the reference rule (the torch backend; sm90 searches it in its kernel instead)
     rising = _decay_before(g_cumsum, plan)                       # [Hv,NC+1]
     target = rising.index_select(1, plan.seg_chunk).add_(math.log(bound))  # [Hv,Nseg]
     c1 = torch.searchsorted(rising, target, right=True)         # c + 1 (count <= target)
