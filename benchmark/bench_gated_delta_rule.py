@@ -210,14 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--ours-segment-len",
         type=C.segment_len_arg,
         default=None,
-        help="segment_len= passed to our chunk_gated_delta_rule: the exact segment-"
-        "parallel forward with segments of this many tokens (a multiple of 64); 'off': "
-        "auto_cp=False (never split); default: the backend's automatic choice; use "
-        "--tag to keep its results apart",
+        help="segment_len= passed to our chunk_gated_delta_rule: the segment-parallel "
+        "forward with segments of this many tokens (a multiple of 64; the bounded split "
+        "unless --ours-shortcut-bound 0 asks for the exact one); 'off': auto_cp=False "
+        "(never split); default: the backend's automatic choice; use --tag to keep its "
+        "results apart",
     )
     p.add_argument(
         "--ours-shortcut-bound",
-        type=float,
+        type=C.shortcut_bound_arg,
         default=None,
         help="segment_shortcut_bound= passed to our chunk_gated_delta_rule (0: the split "
         "never drops a transition; default: the API's 2^-9)",

@@ -450,10 +450,26 @@ def segment_len_arg(text: str) -> int | str:
     if text == "off":
         return text
     try:
-        return int(text)
+        tokens = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected an int (tokens per segment) or 'off', got {text!r}") from None
+    if tokens <= 0 or tokens % 64:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive multiple of 64 (tokens per segment), got {tokens}")
+    return tokens
+
+
+def shortcut_bound_arg(text: str) -> float:
+    """``--ours-shortcut-bound``: the split's ``segment_shortcut_bound``, a float in
+    [0, 1) (0: the exact split). Raises ``argparse.ArgumentTypeError`` otherwise."""
+    try:
+        bound = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a float in [0, 1), got {text!r}") from None
+    if not 0.0 <= bound < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a float in [0, 1), got {bound}")
+    return bound
 
 
 class Ours(Impl):

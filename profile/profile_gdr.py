@@ -108,9 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--ours-segment-len",
         type=C.segment_len_arg,
         default=None,
-        help="segment_len= for our function: profile the exact segment-parallel forward "
-        "(segments of this many tokens, a multiple of 64); 'off': auto_cp=False, never split; "
-        "default: the backend's automatic choice",
+        help="segment_len= for our function: profile the segment-parallel forward "
+        "(segments of this many tokens, a multiple of 64; the bounded split unless "
+        "--ours-shortcut-bound 0); 'off': auto_cp=False, never split; default: the "
+        "backend's automatic choice",
+    )
+    p.add_argument(
+        "--ours-shortcut-bound",
+        type=C.shortcut_bound_arg,
+        default=None,
+        help="segment_shortcut_bound= for our function (0: the exact split; default: "
+        "the API's 2^-9)",
     )
     p.add_argument(
         "--host",
@@ -319,8 +327,8 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         args.ours_backend = args.ours_backend or "torch"
         print(
-            "note: --device cpu: one tiny configuration with our torch backend; FLA needs a "
-            "CUDA GPU and is skipped.",
+            "note: --device cpu: one tiny configuration with our torch backend (not the "
+            f"set '{args.set}'); FLA needs a CUDA GPU and is skipped.",
             file=sys.stderr,
         )
     scratch = C.new_scratch("profile-gdr-")
@@ -338,6 +346,7 @@ def main(argv=None) -> int:
             "bwd": not args.skip_bwd,
             "ours_backend": args.ours_backend,
             "ours_segment_len": args.ours_segment_len,
+            "ours_shortcut_bound": args.ours_shortcut_bound,
             "host": args.host,
             "fla_tune_rep_ms": args.fla_tune_rep_ms,
             "capability": info.get("capability"),

@@ -164,11 +164,12 @@ FORWARD_CASES = [
                  ValueError, r"transpose_state_layout=True and state_v_first=False contradict",
                  id="layout-options-contradict"),
     pytest.param(lambda: _with(base_call(), state_v_first="yes"), TypeError,
-                 r"state_v_first must be a bool or None; got 'yes'", id="state_v_first-type"),
+                 r"state_v_first: expected a bool or None, got str 'yes'", id="state_v_first-type"),
     pytest.param(lambda: _with(base_call(), auto_cp=1), TypeError,
-                 r"auto_cp must be a bool or None; got 1", id="auto_cp-type"),
+                 r"auto_cp: expected a bool or None, got int 1", id="auto_cp-type"),
     pytest.param(lambda: _with(base_call(), output_final_state=None), TypeError,
-                 r"output_final_state must be a bool; got None", id="output_final_state-type"),
+                 r"output_final_state: expected a bool, got NoneType None",
+                 id="output_final_state-type"),
     # in-kernel gate parameters
     pytest.param(lambda: _with(base_call(), A_log=torch.zeros(HV)), ValueError,
                  r"A_log is only used with use_gate_in_kernel=True", id="A_log-without-gate"),
@@ -207,7 +208,7 @@ LOW_LEVEL_FORWARD_CASES = [
     pytest.param(lambda: _with(varlen_call(), cu_seqlens=torch.tensor([0, 3, 3, 9])),
                  ValueError, r"cu_seqlens\[-1\] must be at most T=8", id="cu_seqlens-beyond-T"),
     pytest.param(lambda: _with(base_call(), output_h=1), TypeError,
-                 r"output_h must be a bool; got 1", id="output_h-type"),
+                 r"output_h: expected a bool, got int 1", id="output_h-type"),
 ]
 
 

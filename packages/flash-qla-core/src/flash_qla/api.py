@@ -324,7 +324,7 @@ def chunk_gated_delta_rule(
             the host (dense input or ``cu_seqlens_cpu``), and inside a CUDA-graph
             capture only for the bounded split of a dense input. sm90 splits when
             (sequences x heads) leave SMs idle: the bounded split into as many segments
-            as one wave holds, the exact one (bound 0) into segments of 4096 (cost
+            as one wave holds, the exact one (bound 0) into segments of 4096 or 8192 (cost
             model fitted on the H200; ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``).
             False: never.
         segment_len: tokens per segment (a positive multiple of 64) of the segment-

@@ -282,7 +282,7 @@ def check_bool(name: str, value: object, *, optional: bool = False) -> None:
         return
     if not isinstance(value, bool):
         kind = "a bool or None" if optional else "a bool"
-        raise TypeError(f"{name} must be {kind}; got {value!r}")
+        raise TypeError(f"{name}: expected {kind}, got {type(value).__name__} {value!r}")
 
 
 def check_backend(

@@ -251,7 +251,10 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     for i, j in T.Parallel(V, K):
                         st[i, j] = initial_state[n, h, j, i]
                 elif has_initial_state:                   # the walk's start state
-                    if bos == seq0:                       # the sequence's own start
+                    # seq_start / seq_index reloaded here rather than kept from the
+                    # search: a register live into this branch makes ptxas serialise
+                    # the WGMMA chain (C7512)
+                    if bos == seq_start[n]:               # the sequence's own start
                         src = T.alloc_var("int32", init=seq_index[n])
                         for i, j in T.Parallel(V, K):
                             st[i, j] = initial_state[src, h, j, i]
