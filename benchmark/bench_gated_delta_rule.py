@@ -501,10 +501,15 @@ def table_rows(
 ) -> tuple[list, list]:
     headers = ["config", "tokens", "ours ms eager / graph"]
     floor = floor and mode == "fwd"
+    both = mode == "bwd"          # the backward table also shows forward + backward (eager)
     if floor:
         headers.append("floor ms (ours %)")
+    if both:
+        headers.append("ours fwd+bwd ms")
     for p in peers:
         headers += [f"{C.SHORT[p]} ms", f"vs {C.SHORT[p]}", f"{C.SHORT[p]} err"]
+        if both:
+            headers += [f"{C.SHORT[p]} fwd+bwd ms", f"vs {C.SHORT[p]} fwd+bwd"]
     out = []
     for key in ordered_shapes(rows, mode):
         shape = C.Shape.from_key(key)
@@ -514,6 +519,8 @@ def table_rows(
             fl = ours.get("floor_ms") or C.shape_floor(shape)["floor_ms"]
             frac = fl / ours["eager_ms"] if ours.get("eager_ms") else None
             r.append(f"{fl:.3f} ({frac:.0%})" if frac else f"{fl:.3f}")
+        if both:
+            r.append(_ms(ours.get("fwdbwd_eager_ms")))
         for p in peers:
             pr = rows.get((key, p))
             good = bool(pr) and pr.get("status") == "ok" and ours.get("status") == "ok"
@@ -524,8 +531,15 @@ def table_rows(
             )
             sp = "" if se is None else f"{se:.2f}x / {(f'{sg:.2f}x' if sg else '–')}"
             r += [ms_cell(pr), sp, err_cell(pr or {}, tol)]
+            if both:
+                sfb = _speedup(pr, ours, "fwdbwd_eager_ms") if good else None
+                r += [_ms((pr or {}).get("fwdbwd_eager_ms")), "" if sfb is None else f"{sfb:.2f}x"]
         out.append(r)
     return headers, out
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 def ordered_shapes(rows: dict, mode: str) -> list[str]:
