@@ -17,7 +17,7 @@
 #             2048 4096": the backend's choice, never split, forced lengths; issue 6;
 #             "exact": the backend's choice with segment_shortcut_bound=0),
 #             then, if SEG_PROFILE is set, the kernel profile of the segment path with
-#             SEG_PROFILE_LEN on those develop-set rows (SEG_PROFILE_HOST=1: host ops)
+#             SEG_PROFILE_LEN on those rows of SEG_PROFILE_SET (default develop; SEG_PROFILE_HOST=1: host ops)
 #   fla       forward beside FLA_PEERS (default fla; "fla,flashqla" adds FlashQLA 0.1.3,
 #             whose kernels the bundle precompiles) on FLA_SHAPES (FLA autotunes every
 #             shape, each config timed FLA_TUNE_REP_MS, default 20 ms, not Triton's 100)
@@ -68,6 +68,8 @@ fi
 if has tune; then
   timeout "$(cap "${TUNE_TIMEOUT:-150}")" python3 benchmark/tune_chunk_fwd.py ${TUNE_ARGS:-} > "$R/tune.txt" 2>&1
 fi
+# bwd: each run stops starting shapes BWD_TIMEOUT - 80 s in (FLA's autotuning of one
+# shape takes ~45 s): BWD_TIMEOUT >= 150 for two shapes
 if has bwd; then   # BWD_SEG_LENS: "auto" (default), "off" or lengths, one run each
   for len in ${BWD_SEG_LENS:-auto}; do
     timeout "$(cap "${BWD_TIMEOUT:-120}")" $B --mode bwd --peers "${BWD_PEERS:-none}" --tag "H200-bwd-$len" \
@@ -98,7 +100,9 @@ if has seg; then
       --shapes "${SEG_SHAPES:-2/8@1x32768,4/16@1x32768,16/16@1x32768,2/8@1x8192}" > "$R/seg-$len.txt" 2>&1
   done
   if [ -n "${SEG_PROFILE:-}" ]; then   # e.g. SEG_PROFILE="4/4@*" SEG_PROFILE_LEN=4096
-    timeout "$(cap 120)" python3 profile/profile_gdr.py --set develop --peers none --iters 3 \
+    # SEG_PROFILE_SET: the profile set SEG_PROFILE filters (develop; few-head for GVA rows)
+    timeout "$(cap 120)" python3 profile/profile_gdr.py --set "${SEG_PROFILE_SET:-develop}" \
+      --peers none --iters 3 \
       --skip-bwd --shapes "$SEG_PROFILE" --ours-segment-len "${SEG_PROFILE_LEN:-4096}" \
       ${SEG_PROFILE_HOST:+--host} \
       --out "$R/seg-profile" > "$R/seg-profile.txt" 2>&1
