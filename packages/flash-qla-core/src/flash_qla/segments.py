@@ -48,9 +48,8 @@ from torch import Tensor
 
 from .validation import is_capturing
 
-__all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "fwd_with_segments",
-           "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "WalkStarts",
-           "warmup_bwd",
+__all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "WalkStarts", "fwd_with_segments",
+           "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "warmup_bwd",
            "warmup_ends", "warmup_fwd", "warmup_starts"]
 
 #: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``
@@ -407,11 +406,10 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
                            cu_seqlens_cpu=cu_seqlens_cpu)
     plan = _plan_for(bounds, segment_len, q.device)
     packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cumsum, beta, A, do)]
-    walks = dict(plan=plan, bound=shortcut_bound)
     *grads, dh0_seg = kernels.bwd_warmup(
         *packed, dht=dht, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
         cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound),
-        ends=functools.partial(warmup_ends, **walks))
+        ends=functools.partial(warmup_ends, plan=plan, bound=shortcut_bound))
     dh0 = None
     if initial_state is not None:                    # each sequence's first segment
         dh0 = dh0_seg.index_select(0, plan.first_seg)                    # [N,Hv,K,V]
