@@ -308,3 +308,45 @@ def test_only_dense_bounded_splits_run_inside_capture(monkeypatch, dense, bound,
     else:
         with pytest.raises(ValueError, match="segment_len"):
             run()
+
+
+class _RecordingBwd:
+    """A backend stand-in for ``warmup_bwd``: its ``bwd_warmup`` returns gradients of
+    the packed shapes and, as dh0, each segment's index (so the selection is visible)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
+                   cu_seqlens, cu_seqlens_cpu, starts, ends):
+        self.calls.append(dict(cu=cu_seqlens_cpu.tolist(), starts=starts, ends=ends))
+        nseg = len(cu_seqlens_cpu) - 1
+        dh0 = torch.arange(nseg, dtype=torch.float32).view(nseg, 1, 1, 1).expand(
+            nseg, *initial_state.shape[1:]).clone()
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                torch.zeros_like(beta), torch.zeros_like(g_cumsum), dh0)
+
+
+def test_bounded_backward_takes_each_sequences_first_segment():
+    """warmup_bwd runs the backend's bwd_warmup on the plan's segments with the forward's
+    walk rule, and returns per sequence the dh0 of its first segment; an empty sequence
+    gets dht (or zeros without dht), as the unsplit backward would give it."""
+    bounds = [0, 300, 300, 450]                      # segments of 128: 3 + 0 + 2
+    T, Hv, K, V = 450, 2, 4, 4
+    q = torch.zeros(1, T, 1, K)
+    v = torch.zeros(1, T, Hv, V)
+    gt = torch.zeros(1, T, Hv)
+    h0 = torch.zeros(3, Hv, K, V)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    kernels = _RecordingBwd()
+    for dht, empty_fill in ((None, 0.0), (torch.full((3, Hv, K, V), 7.0), 7.0)):
+        *grads, dh0 = segments.warmup_bwd(
+            kernels, q, q, v, gt, gt, torch.zeros(1, T, Hv, 64), v, dht=dht, scale=1.0,
+            initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu, segment_len=128,
+            shortcut_bound=2.0 ** -9)
+        call = kernels.calls[-1]
+        assert call["cu"] == [0, 128, 256, 300, 428, 450]
+        assert call["starts"].bound == 2.0 ** -9 and call["starts"].seq_index.tolist() == [
+            0, 0, 0, 2, 2]
+        assert [x.shape for x in grads] == [q.shape, q.shape, v.shape, gt.shape, gt.shape]
+        assert dh0[:, 0, 0, 0].tolist() == [0.0, empty_fill, 3.0]
