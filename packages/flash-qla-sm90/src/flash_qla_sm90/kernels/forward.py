@@ -7,6 +7,8 @@ import functools
 
 import torch
 
+from flash_qla.validation import is_capturing
+
 from . import traits
 from .chunk_fwd import chunk_fwd_kernel
 from .chunk_fwd_t import chunk_fwd_t_kernel
@@ -43,7 +45,7 @@ def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     cache entry points into the graph's memory)."""
     B, T = q.shape[:2]
     dense, varlen = dense_layout, varlen_layout
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if is_capturing(q.device):
         dense, varlen = dense.__wrapped__, varlen.__wrapped__        # uncached builders
     return dense(B, T, q.device) if cu_seqlens is None else varlen(cu_seqlens, B * T)
 
