@@ -134,11 +134,16 @@ def _chunk_cumsum_args(g, bounds):
         output_final_state=False, output_h=False)
 
 
-def _starts_of(g, bounds, segment_len, bound):
+def _walks_of(rule, g, bounds, segment_len, bound):
+    """``rule`` (``segments.warmup_starts`` or ``warmup_ends``) on the chunk-local
+    cumsum of ``g``, as nested lists ``[Nseg][Hv]``."""
     args, kw = _chunk_cumsum_args(g, bounds)
     gc = TORCH_KERNELS.fwd(*args, **kw)[0]
     plan = segments._plan(tuple(bounds), segment_len, g.device)
-    return [x.tolist() for x in segments.warmup_starts(gc, plan, bound)]
+    return [x.tolist() for x in rule(gc, plan, bound)]
+
+
+_starts_of = functools.partial(_walks_of, segments.warmup_starts)
 
 
 def test_warmup_walks_back_until_the_decay_reaches_the_bound():
@@ -205,23 +210,36 @@ def test_bounded_split_drops_history_where_the_gates_decay():
     assert all(w % 64 == 0 for row in walk for w in row)
 
 
+def _random_split(seed: int, empty: int):
+    """A random packed batch for the walk rules: ``(lens, bounds, g [1, T, Hv] fp64,
+    bound, segment_len, segment bounds)`` with sequence ``empty`` empty and random
+    short ones and tails, gates in (-0.1, 0], bound in (e^-8.5, e^-0.5]."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 900, (5,), generator=gen).tolist()
+    lens[empty] = 0
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    g = -torch.rand(1, bounds[-1], 3, generator=gen, dtype=torch.float64) * 0.1
+    bound = math.exp(-float(torch.rand((), generator=gen)) * 8 - 0.5)
+    segment_len = 64 * int(torch.randint(1, 4, (), generator=gen))
+    seg, _ = segments.segment_bounds(bounds, segment_len)
+    return lens, bounds, g, bound, segment_len, seg
+
+
+def _sequence_of(s_bos: int, lens: list[int], bounds: list[int]) -> int:
+    """The (non-empty) sequence a segment starting at token ``s_bos`` belongs to."""
+    return max(i for i in range(len(lens)) if bounds[i] <= s_bos and lens[i] > 0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_warmup_starts_match_a_walk_chunk_by_chunk(seed):
     """warmup_starts (one searchsorted per head) against walking back chunk by chunk,
     on random lengths (empty, short, tails), gates and bounds."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(0, 900, (5,), generator=gen).tolist()
-    lens[seed % 5] = 0
-    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    Hv = 3
-    g = -torch.rand(1, bounds[-1], Hv, generator=gen, dtype=torch.float64) * 0.1
-    bound = math.exp(-float(torch.rand((), generator=gen)) * 8 - 0.5)
-    segment_len = 64 * int(torch.randint(1, 4, (), generator=gen))
+    lens, bounds, g, bound, segment_len, seg = _random_split(seed, seed % 5)
+    Hv = g.shape[-1]
     walk, h0_from = _starts_of(g, bounds, segment_len, bound)
-    seg, _ = segments.segment_bounds(bounds, segment_len)
     expected_walk, expected_from = [], []
     for s_bos in seg[:-1]:
-        n = max(i for i in range(len(lens)) if bounds[i] <= s_bos and lens[i] > 0)
+        n = _sequence_of(s_bos, lens, bounds)
         row_w, row_f = [], []
         for h in range(Hv):
             w, acc = s_bos, 0.0
@@ -236,30 +254,16 @@ def test_warmup_starts_match_a_walk_chunk_by_chunk(seed):
     assert h0_from == expected_from
 
 
-def _ends_of(g, bounds, segment_len, bound):
-    args, kw = _chunk_cumsum_args(g, bounds)
-    gc = TORCH_KERNELS.fwd(*args, **kw)[0]
-    plan = segments._plan(tuple(bounds), segment_len, g.device)
-    return [x.tolist() for x in segments.warmup_ends(gc, plan, bound)]
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_warmup_ends_match_a_walk_chunk_by_chunk(seed):
     """warmup_ends (the backward's reverse walks) against walking forward chunk by
     chunk from each segment's end, on random lengths, gates and bounds."""
-    gen = torch.Generator().manual_seed(seed + 10)
-    lens = torch.randint(0, 900, (5,), generator=gen).tolist()
-    lens[seed % 5] = 0
-    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    Hv = 3
-    g = -torch.rand(1, bounds[-1], Hv, generator=gen, dtype=torch.float64) * 0.1
-    bound = math.exp(-float(torch.rand((), generator=gen)) * 8 - 0.5)
-    segment_len = 64 * int(torch.randint(1, 4, (), generator=gen))
-    walk_end, dht_from = _ends_of(g, bounds, segment_len, bound)
-    seg, _ = segments.segment_bounds(bounds, segment_len)
+    lens, bounds, g, bound, segment_len, seg = _random_split(seed + 10, seed % 5)
+    Hv = g.shape[-1]
+    walk_end, dht_from = _walks_of(segments.warmup_ends, g, bounds, segment_len, bound)
     expected_end, expected_from = [], []
     for s_bos, s_eos in zip(seg[:-1], seg[1:]):
-        n = max(i for i in range(len(lens)) if bounds[i] <= s_bos and lens[i] > 0)
+        n = _sequence_of(s_bos, lens, bounds)
         row_e, row_f = [], []
         for h in range(Hv):
             e, acc = s_eos, 0.0

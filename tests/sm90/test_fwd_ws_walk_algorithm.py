@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from flash_qla import segments
+from flash_qla.reference import TORCH_KERNELS
 from flash_qla_sm90.kernels.traits import WALK_UNROLL
+from tests.core.test_segments import _chunk_cumsum_args
 
 C = 64
 
@@ -54,17 +56,6 @@ def emulate_walks(g_cumsum: torch.Tensor, rule: segments.WalkStarts):
     return walk, h0_from
 
 
-def _chunk_local_cumsum(g: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """g_cumsum [1, T, Hv] of the prepare: the cumsum of g within each chunk of each
-    sequence."""
-    out = torch.zeros_like(g)
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        for t in range(bos, eos, C):
-            e = min(t + C, eos)
-            out[:, t:e] = g[:, t:e].cumsum(1)
-    return out
-
-
 @pytest.mark.parametrize("gate", ["typical", "weak", "zero", "mixed"])
 @pytest.mark.parametrize("bound", [2.0 ** -9, 0.25])
 def test_kernel_search_picks_the_reference_walks(gate, bound):
@@ -77,7 +68,8 @@ def test_kernel_search_picks_the_reference_walks(gate, bound):
          "mixed": 0.02 - 0.08 * u}[gate]                 # mixed: some gates above 0
     plan = segments._plan(tuple(bounds), 256, torch.device("cpu"))
     rule = segments.WalkStarts(plan, bound)
-    g_cumsum = _chunk_local_cumsum(g, bounds)
+    args, kw = _chunk_cumsum_args(g.double(), bounds)         # the prepare's g_cumsum
+    g_cumsum = TORCH_KERNELS.fwd(*args, **kw)[0]
     walk, h0_from = (x.t().tolist() for x in rule(g_cumsum))              # [Hv][Nseg]
     want = ([list(r) for r in zip(*walk)], [list(r) for r in zip(*h0_from)])  # [Nseg][Hv]
     assert emulate_walks(g_cumsum, rule) == want
