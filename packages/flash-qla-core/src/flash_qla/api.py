@@ -334,10 +334,12 @@ def chunk_gated_delta_rule(
             segment and head), the bounded split: one pass, each segment rebuilding
             its start state by re-walking the chunks before it back to where their
             decay reaches the bound (or to its sequence's start); else the exact split
-            (three passes and a scan over segment transitions). The backward is
-            unsplit (exact). Inside CUDA-graph capture only the bounded split of a
-            dense input (``cu_seqlens=None``) runs, ValueError otherwise (the split
-            is planned from the call's lengths, which a varlen replay may change).
+            (three passes and a scan over segment transitions). After a bounded
+            forward the backward splits the same way where the backend has
+            ``bwd_warmup`` (sm90), else it is unsplit. Inside CUDA-graph capture only
+            the bounded split of a dense input (``cu_seqlens=None``) runs, ValueError
+            otherwise (the split is planned from the call's lengths, which a varlen
+            replay may change).
         segment_shortcut_bound: what the bounded split may drop (default 2^-9, below
             bf16's resolution; 0: the exact split): a segment's warm-up starts where
             ``exp(sum of g)`` up to the segment is at most the bound, so the state it

@@ -196,7 +196,7 @@ def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> in
     """The bounded split's segment length (``traits.WARMUP_SEGMENT_LENS``), or None:
     the shortest whose segments x Hv CTAs fit one wave, if its predicted time (at least
     ``traits.WARMUP_HOST_US``) beats the unsplit forward's by
-    ``traits.SEGMENT_MIN_GAIN`` (traits: WARMUP_SEGMENT_LENS)."""
+    ``traits.SEGMENT_MIN_GAIN``."""
     if not warmup_available(K, V):
         return None
     longest = max(lens, default=0)
@@ -267,8 +267,9 @@ def _plan_segment_len(bounds: tuple[int, ...], Hv: int, K: int, V: int, sm_count
 
 @functools.lru_cache(maxsize=8)
 def _no_walk(device: torch.device) -> torch.Tensor:
-    """``[1]`` int32: the ``seq_start`` / ``seq_index`` of a ws launch without warm-up
-    (its kernel never reads them)."""
+    """``[1]`` int32: the ``seq_start`` / ``seq_index`` of a ws launch without warm-up,
+    and (viewed ``[1, 1]``) the ``walk_end`` / ``dht_from`` of a dh sweep without it:
+    placeholders their kernels never read."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
@@ -283,7 +284,7 @@ def _walk_args(walks, device: torch.device) -> tuple:
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
            num_chunks: int | None, alloc, tiling: tuple | str | None = None,
-           walks: tuple | None = None):
+           walks=None):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
@@ -355,16 +356,21 @@ def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
         output_final_state=output_final_state, output_h=output_h)
 
 
-def _prepare(k_p, g, beta_p, layout: ChunkLayout, alloc):
-    """The prepare kernel on packed k ``[Tt, Hk, K]``, g ``[B, T, Hv]``, beta_p
-    ``[Tt, Hv]`` fp32: returns g_cumsum ``[Tt, Hv]`` fp32 and A ``[Tt, Hv, C]``."""
+def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu):
+    """The call's layout and output allocator, and the prepare kernel on it: returns
+    ``(layout, alloc, k_p [Tt, Hk, K], beta_p [Tt, Hv] fp32, g_cumsum [Tt, Hv] fp32,
+    A [Tt, Hv, C])`` (packed) for the fused kernel."""
+    B, T = q.shape[:2]
+    layout = layout_for(q, cu_seqlens)
+    alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
+    k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
     Tt, Hv = beta_p.shape
     g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
     A = alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
     prepare_kernel()(_DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
         k_p, _packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
         g_cumsum, A)
-    return g_cumsum, A
+    return layout, alloc, k_p, beta_p, g_cumsum, A
 
 
 def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
@@ -377,10 +383,8 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     of every segment."""
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
-    layout = layout_for(q, cu_seqlens)
-    alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
-    k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
-    g_cumsum, A = _prepare(k_p, g, beta_p, layout, alloc)
+    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
+                                                       cu_seqlens_cpu)
     o, final_state, _ = _fused(
         _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
         initial_state=initial_state, num_chunks=None, alloc=alloc,
@@ -392,12 +396,10 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
               output_final_state, output_h):
     """Forward; returns (g_cumsum, A, o, h, final_state) (see Kernels.fwd)."""
-    B, T, Hk, K = q.shape
+    B, T = q.shape[:2]
     Hv = v.shape[2]
-    layout = layout_for(q, cu_seqlens)
-    alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
-    k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
-    g_cumsum, A = _prepare(k_p, g, beta_p, layout, alloc)
+    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
+                                                       cu_seqlens_cpu)
     o, h, final_state = _fused_outputs(
         q, k_p, v, g_cumsum, beta_p, A, layout, alloc, scale=scale,
         initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
