@@ -930,8 +930,6 @@ def task_profile(spec: dict) -> dict:
             for e in prof.key_averages():
                 if e.self_cpu_time_total > 0:
                     table[e.key] = {"us": e.self_cpu_time_total / iters, "calls": e.count / iters}
-            if dev != "cpu":
-                table.update(host_wall(fn, iters))
         else:
             for e in prof.events():
                 if str(getattr(e, "device_type", "")).endswith("CUDA"):
@@ -943,6 +941,8 @@ def task_profile(spec: dict) -> dict:
     args = impl.prepare(inp, spec, requires_grad=False)
     with torch.no_grad():
         res["fwd"] = kernels(lambda: impl.call(args))
+        if spec.get("host") and dev != "cpu":              # the forward's host wall, syncs
+            res["fwd_host"] = host_wall(lambda: impl.call(args), iters)
     if spec.get("bwd"):
         why = static_unsupported(spec["impl"], Shape("bwd", shape.hk, shape.hv, shape.layout), spec)
         if why or not impl.differentiable:
@@ -961,11 +961,10 @@ def task_profile(spec: dict) -> dict:
 
 
 def host_wall(fn, iters: int) -> dict:
-    """Two pseudo-rows of a host profile: ``(host wall per call)``, the median
-    wall-clock time until a call returns (no sync between calls: the host's own cost
-    while the GPU runs behind), and ``(synchronising ops)``, the ops of one call that
-    torch's sync debug mode reports (a host wait on the GPU; its first message is kept).
-    """
+    """The host side of a call: ``wall_us``, the median wall-clock time until a call
+    returns (no sync between calls: the host's own cost while the GPU runs behind), and
+    ``syncs``, the messages of torch's sync debug mode for one call (each a host wait on
+    the GPU)."""
     import warnings
 
     import torch
@@ -987,10 +986,7 @@ def host_wall(fn, iters: int) -> dict:
     # notice that the debug mode is a prototype
     syncs = [str(w.message).splitlines()[0] for w in caught
              if "synchronizing cuda operation" in str(w.message).lower()]
-    rows = {"(host wall per call)": {"us": statistics.median(samples), "calls": 1.0}}
-    rows["(synchronising ops)"] = {"us": 0.0, "calls": float(len(syncs)),
-                                   "first": syncs[0] if syncs else ""}
-    return rows
+    return {"wall_us": statistics.median(samples), "syncs": syncs}
 
 
 def worker_main(spec_path: str) -> int:

@@ -151,10 +151,7 @@ def short(name: str, n: int = 90) -> str:
 
 
 def total_us(table: dict | None) -> float | None:
-    """Summed time of a table's kernels / ops (pseudo-rows named "(...)" excluded)."""
-    if not table:
-        return None
-    return sum(r["us"] for n, r in table.items() if not n.startswith("("))
+    return sum(r["us"] for r in table.values()) if table else None
 
 
 def render(meta: dict, results: list[dict], args, tag: str) -> str:
@@ -233,10 +230,10 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
                 f"{fl['floor_ms'] * 1e3 / t:.0%}" if t else "",
             ]
         if args.host:
-            tab = o.get("fwd") or {}
-            wall, syncs = tab.get("(host wall per call)"), tab.get("(synchronising ops)")
-            row += [f"{wall['us']:.1f}" if wall else "–",
-                    f"{syncs['calls']:.0f} ({syncs.get('first', '')[:60]})" if syncs else "–"]
+            host = o.get("fwd_host")
+            row += ["–", "–"] if not host else [
+                f"{host['wall_us']:.1f}",
+                f"{len(host['syncs'])} ({host['syncs'][0][:60] if host['syncs'] else ''})"]
         if not args.skip_bwd:
             row += [cell(o, "bwd")] + ([cell(f_, "bwd"), ratio("bwd")] if peer else [])
         rows.append(row)
