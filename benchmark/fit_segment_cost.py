@@ -44,7 +44,7 @@ K = V = 128
 
 def _rows(path: str, bounded: bool) -> list[dict]:
     """Our ok rows of one result file, each with its segment length (``seg``),
-    sequence offsets (``bounds``) and measured ``us``."""
+    sequence lengths (``lens``) and measured ``us``."""
     from flash_qla_sm90.kernels import forward
 
     with open(path) as f:
@@ -63,7 +63,7 @@ def _rows(path: str, bounded: bool) -> list[dict]:
             bounds, shape.hv, K, V, SM_COUNT, bounded=bounded)
         if seg:
             rows.append({"shape": r["shape"].split(":", 1)[1], "hv": shape.hv,
-                         "bounds": bounds, "seg": seg, "us": r["eager_ms"] * 1e3,
+                         "lens": shape.seqlens, "seg": seg, "us": r["eager_ms"] * 1e3,
                          "file": os.path.relpath(path, ROOT)})
     return rows
 
@@ -88,9 +88,9 @@ def _exact_terms(rows: list[dict]) -> None:
     from flash_qla_sm90.kernels import forward
 
     for r in rows:
-        lens = [b - a for a, b in zip(r["bounds"][:-1], r["bounds"][1:])]
-        r["x"] = -(-max(lens) // r["seg"])
-        r["y"] = r["us"] - forward.exact_passes_us(lens, r["hv"], K, V, SM_COUNT, r["seg"])
+        r["x"] = -(-max(r["lens"]) // r["seg"])
+        r["y"] = r["us"] - forward.exact_passes_us(r["lens"], r["hv"], K, V, SM_COUNT,
+                                                   r["seg"])
 
 
 def main(argv=None) -> int:
@@ -115,8 +115,7 @@ def main(argv=None) -> int:
               f"{traits.SEGMENT_FIXED_US})")
     if bounded:
         for r in bounded:
-            lens = [b - a for a, b in zip(r["bounds"][:-1], r["bounds"][1:])]
-            r["gpu"] = forward.bounded_gpu_us(lens, r["hv"], r["seg"])
+            r["gpu"] = forward.bounded_gpu_us(r["lens"], r["hv"], r["seg"])
         table = [[r["shape"], r["seg"], f"{r['us']:.0f}", f"{r['gpu']:.0f}", r["file"]]
                  for r in bounded]
         print(C.format_table(table, ["shape", "segment", "measured us",
