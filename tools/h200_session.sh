@@ -17,7 +17,8 @@
 #             2048 4096": the backend's choice, never split, forced lengths; issue 6;
 #             "exact": the backend's choice with segment_shortcut_bound=0),
 #             then, if SEG_PROFILE is set, the kernel profile of the segment path with
-#             SEG_PROFILE_LEN on those rows of SEG_PROFILE_SET (default develop; SEG_PROFILE_HOST=1: host ops)
+#             SEG_PROFILE_LEN on those rows of SEG_PROFILE_SET (default develop;
+#             SEG_PROFILE_HOST=1: host ops)
 #   fla       forward beside FLA_PEERS (default fla; "fla,flashqla" adds FlashQLA 0.1.3,
 #             whose kernels the bundle precompiles) on FLA_SHAPES (FLA autotunes every
 #             shape, each config timed FLA_TUNE_REP_MS, default 20 ms, not Triton's 100)
