@@ -282,6 +282,28 @@ def test_backward_gets_saved_g_cumsum_and_A(spy):
     assert bwd_kwargs["scale"] == VARLEN.K ** -0.5
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_leaf_requires_grad"])
+def test_inference_call_skips_autograd(spy, mode):
+    """Without anything to differentiate the forward runs without the autograd Function
+    (no graph, nothing saved) and gives the same outputs as with it; the API's
+    pre-passes (here the gate from its parameters) keep their own graph rule."""
+    inputs = make_inputs(VARLEN, gate_params=True)
+    with_grad = run_api(inputs, VARLEN, use_gate_in_kernel=True)
+    plain = {n: x.detach() for n, x in inputs.items()}
+    if mode == "no_grad":
+        with torch.no_grad():
+            out = run_api(inputs, VARLEN, use_gate_in_kernel=True)
+    elif mode == "inference_mode":
+        with torch.inference_mode():
+            out = run_api(plain, VARLEN, use_gate_in_kernel=True)
+    else:
+        out = run_api(plain, VARLEN, use_gate_in_kernel=True)
+    assert all(x.grad_fn is None and not x.requires_grad for x in out)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(out, with_grad))
+    assert [x.requires_grad for x in with_grad] == [True, True]
+    assert len(spy.fwd_calls) == 2
+
+
 def test_backend_keyword_is_passed_to_dispatch(spy):
     inputs = make_inputs(VARLEN)
     run_api(inputs, VARLEN, backend="torch")

@@ -168,3 +168,15 @@ def test_bounded_plan_fills_one_wave(monkeypatch):
         assert plan(bounds, Hv) is None, (bounds, Hv)
     monkeypatch.setattr(traits, "SEGMENT_AUTO", False)
     assert plan([0, 32768], 8) is None
+
+
+def test_traits_revision_counts_assignments(monkeypatch):
+    """Every assignment to a trait (and its undo) moves ``traits.revision``, the key by
+    which the segment planner's cache notices patched traits."""
+    from flash_qla_sm90.kernels import traits
+
+    start = traits.revision
+    monkeypatch.setattr(traits, "WARMUP_HOST_US", traits.WARMUP_HOST_US + 1.0)
+    assert traits.revision == start + 1
+    monkeypatch.undo()
+    assert traits.revision == start + 2

@@ -20,7 +20,8 @@ Layers, top to bottom:
 
 1. :func:`chunk_gated_delta_rule` validates, selects a backend, then runs the
    *pre-passes* (optional q/k L2-norm, optional in-kernel gate, state layout), the
-   autograd Function, and the *post-pass* (state layout back). Pre/post-passes are
+   autograd Function (its forward alone when nothing requires grad), and the
+   *post-pass* (state layout back). Pre/post-passes are
    plain differentiable torch ops, so their gradients come from autograd.
 2. :class:`_ChunkGatedDeltaRule` (the autograd Function) only calls the backend's
    ``Kernels.fwd`` / ``Kernels.bwd`` in the canonical layout and saves what the
@@ -210,6 +211,35 @@ def _swap_state_layout(state: torch.Tensor | None) -> torch.Tensor | None:
 # The autograd Function (canonical layout only)
 # --------------------------------------------------------------------------------------
 
+def _forward(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+             cu_seqlens_cpu, kernels, segment_len, shortcut_bound):
+    """The backend's forward on contiguous canonical inputs, split into segments when
+    ``segment_len`` is set: ``(g_cumsum, A, o, final_state)``."""
+    fwd = (kernels.fwd if segment_len is None
+           else functools.partial(fwd_with_segments, kernels, segment_len=segment_len,
+                                  shortcut_bound=shortcut_bound))
+    g_cumsum, A, o, _, final_state = fwd(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, output_final_state=output_final_state,
+        output_h=False)
+    return g_cumsum, A, o, final_state
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record the call (grad mode on and an input requires grad)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+def _inference(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+               cu_seqlens_cpu, kernels, segment_len, shortcut_bound):
+    """:class:`_ChunkGatedDeltaRule`'s forward without the autograd Function (nothing
+    requires grad: prefill, evaluation), which would cost ~40 us of host time per call
+    and keep g_cumsum and A alive. Returns ``(o, final_state)``."""
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    return _forward(q, k, v, g, beta, initial_state, scale, output_final_state,
+                    cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound)[2:]
+
+
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     """o, final_state = GDN(q, k, v, g, beta, initial_state) on one backend's Kernels."""
 
@@ -217,13 +247,9 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state,
                 cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound):
         q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
-        fwd = (kernels.fwd if segment_len is None
-               else functools.partial(fwd_with_segments, kernels, segment_len=segment_len,
-                                      shortcut_bound=shortcut_bound))
-        g_cumsum, A, o, _, final_state = fwd(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-            output_final_state=output_final_state, output_h=False)
+        g_cumsum, A, o, final_state = _forward(
+            q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+            cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
         ctx.save_for_backward(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens)
         ctx.scale, ctx.kernels, ctx.cu_seqlens_cpu = scale, kernels, cu_seqlens_cpu
         # the bounded split's backward where the backend has one (else the exact one)
@@ -394,9 +420,10 @@ def chunk_gated_delta_rule(
     if v_first:
         initial_state = _swap_state_layout(initial_state)             # [N,Hv,K,V]
 
-    o, final_state = _ChunkGatedDeltaRule.apply(
-        q, k, v, g, beta, initial_state, scale, output_final_state,
-        cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
+    run = (_ChunkGatedDeltaRule.apply if _needs_grad(q, k, v, g, beta, initial_state)
+           else _inference)
+    o, final_state = run(q, k, v, g, beta, initial_state, scale, output_final_state,
+                         cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
 
     # Post-pass: back to the caller's state layout.
     if v_first:

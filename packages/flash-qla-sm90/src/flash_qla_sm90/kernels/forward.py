@@ -215,22 +215,15 @@ def _plan_bounded(lens: list[int], Hv: int, K: int, V: int, sm_count: int) -> in
 def plan_segment_len(bounds: list[int], Hv: int, K: int, V: int, sm_count: int,
                      bounded: bool = False) -> int | None:
     """:func:`_plan_segment_len`, cached per (lengths, heads, dims, SMs, split kind and
-    the ``traits`` it reads): a training loop or a server repeats the same lengths, and
-    an eager call's host time is the bounded split's floor (the planner costs ~50 us of
-    Python, the cache key ~5)."""
-    return _plan_segment_len(tuple(bounds), Hv, K, V, sm_count, bounded, _traits_key())
-
-
-def _traits_key() -> tuple:
-    """The current ``traits`` values (upper-case names; dicts as sorted items), so a
-    cached plan is never reused after a trait changes (tests and tuning patch them)."""
-    return tuple((name, tuple(sorted(value.items())) if isinstance(value, dict) else value)
-                 for name, value in vars(traits).items() if name.isupper())
+    ``traits.revision``, so a plan is never reused after a trait is patched): a training
+    loop or a server repeats the same lengths, and an eager call's host time is the
+    bounded split's floor (the planner costs ~50 us of Python, the cache key ~1)."""
+    return _plan_segment_len(tuple(bounds), Hv, K, V, sm_count, bounded, traits.revision)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_segment_len(bounds: tuple[int, ...], Hv: int, K: int, V: int, sm_count: int,
-                      bounded: bool, traits_key: tuple) -> int | None:
+                      bounded: bool, traits_revision: int) -> int | None:
     """The automatic segment-parallelism choice (``auto_cp``), or None (no split; also
     whenever ``traits.SEGMENT_AUTO`` is off). ``bounds``: host sequence offsets
     ``[N + 1]``. ``bounded``: for the one-pass bounded split (:func:`_plan_bounded`).

@@ -4,6 +4,26 @@ Every value here is part of a compiled kernel's identity; everything else (B, T,
 Hk, Hv, N, sequence lengths) is dynamic and never triggers a recompilation.
 """
 
+import sys
+import types
+
+
+class _Traits(types.ModuleType):
+    """This module's type: every assignment to one of its attributes (tests and tuning
+    patch traits with ``setattr``) increments ``revision``, so caches of values derived
+    from traits (the segment planner's) key on one int instead of every value. A dict
+    trait changed in place is not seen: replace it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name != "revision":
+            super().__setattr__("revision", self.revision + 1)
+
+
+#: Assignments to this module's attributes since import (see ``_Traits``).
+revision = 0
+sys.modules[__name__].__class__ = _Traits
+
 
 #: Explicit target so the kernels compile on a machine without a GPU
 #: (plain "sm_90" fails in nvcc for warp-specialised code; tilelang-notes.md).

@@ -1,0 +1,140 @@
+"""Where an eager forward spends its host time (GPU debugging aid, sm90 backend).
+
+For each shape (benchmark inputs, ``benchmark/common.make_inputs``; the backend's
+automatic split), prints: the wall time of one ``chunk_gated_delta_rule`` call without a
+sync (the host's cost while the GPU runs behind), the GPU time of the same call (CUDA
+events around 20 calls, synchronised), the host cost of each TileLang launch alone (the
+last call's arguments replayed; ours only), and the top Python functions by own time
+(``cProfile``, 200 calls). usage: python tools/host_cost.py [--shapes 2/8@1x32768,...]
+[--impl flashqla --flashqla-path DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
+import common as C  # noqa: E402
+
+
+def _wall_us(fn, iters: int = 200) -> float:
+    """Median wall time of ``fn`` without a sync between calls, microseconds."""
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _gpu_us(fn, iters: int = 20) -> float:
+    """Mean time per call between CUDA events around ``iters`` back-to-back calls, us."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+class _Recorder:
+    """Wraps a kernel builder of ``forward``: remembers the last launch's kernel and
+    arguments, so that launch can be replayed alone."""
+
+    def __init__(self, builder):
+        self.builder, self.last = builder, None
+        functools.update_wrapper(self, builder)
+
+    def __call__(self, *static):
+        kernel = self.builder(*static)
+
+        def launch(*args):
+            self.last = (kernel, args)
+            return kernel(*args)
+        return launch
+
+
+def _launch_costs(recorders: dict) -> dict:
+    """Host us of one launch of each recorded kernel (its last arguments), and of the
+    builder lookup that returns it."""
+    out = {}
+    for name, rec in recorders.items():
+        if rec.last is None:
+            continue
+        kernel, args = rec.last
+        out[f"{name} launch"] = _wall_us(functools.partial(kernel, *args))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="2/8@1x32768,2/8@1x8192,16/16@1x32768,16/16@4x8192")
+    ap.add_argument("--profile-top", type=int, default=25)
+    ap.add_argument("--impl", choices=["ours", "flashqla"], default="ours",
+                    help="flashqla: FlashQLA 0.1.3 from --flashqla-path (wall and GPU only)")
+    ap.add_argument("--flashqla-path")
+    args = ap.parse_args()
+    ctx = {"flashqla_path": args.flashqla_path}
+    impl = C.IMPLS[args.impl]()
+    impl.load(ctx)
+    recorders = {}
+    if args.impl == "ours":
+        from flash_qla_sm90.kernels import forward
+
+        recorders["ws"] = forward.chunk_fwd_ws_kernel = _Recorder(forward.chunk_fwd_ws_kernel)
+        name = forward.prepare_kernel_name()
+        recorders["prepare"] = forward.PREPARE_KERNELS[name] = _Recorder(
+            forward.PREPARE_KERNELS[name])
+    rows, profiles = [], {}
+    for spec in args.shapes.split(","):
+        shape = C.Shape.from_key(f"fwd:{spec}")
+        inp = C.make_inputs(shape, "model", 0, "cuda", with_grads=False)
+        a = impl.prepare(inp, ctx)
+        a_grad = impl.prepare(inp, ctx, requires_grad=True)
+
+        def call(a=a):
+            return impl.call(a)
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        row = {"shape": spec, "api wall us": _wall_us(call),
+               "api wall us (grad)": _wall_us(functools.partial(call, a_grad)),
+               "gpu us": _gpu_us(call)}
+        row.update(_launch_costs(recorders))
+        if recorders:
+            row["ws builder us"] = _wall_us(functools.partial(
+                recorders["ws"].builder, "bfloat16", 128, 128, True, False, True))
+            row["prepare builder us"] = _wall_us(
+                functools.partial(recorders["prepare"].builder, "bfloat16", 128))
+        rows.append(row)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            call()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile_top)
+        profiles[spec] = s.getvalue()
+    for spec, text in profiles.items():
+        print(f"### cProfile (200 calls), {spec}\n{text}")
+    print(tabulate([{k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in r.items()}
+                    for r in rows], headers="keys"))
+
+
+if __name__ == "__main__":
+    main()
