@@ -304,6 +304,32 @@ def test_inference_call_skips_autograd(spy, mode):
     assert len(spy.fwd_calls) == 2
 
 
+def test_gate_parameters_alone_take_the_autograd_path():
+    """Only A_log / dt_bias require grad: the gate computed from them does, so the call
+    runs the autograd Function and their gradients match the full-grad call's."""
+    inputs = make_inputs(VARLEN, gate_params=True)
+    plain = {n: (x if n in ("A_log", "dt_bias") else x.detach()) for n, x in inputs.items()}
+    out = run_api(plain, VARLEN, use_gate_in_kernel=True)
+    assert out[0].requires_grad and out[1].requires_grad
+    loss = out[0].sum() + out[1].sum()
+    got = torch.autograd.grad(loss, [plain["A_log"], plain["dt_bias"]])
+    full = run_api(inputs, VARLEN, use_gate_in_kernel=True)
+    want = torch.autograd.grad(full[0].sum() + full[1].sum(),
+                               [inputs["A_log"], inputs["dt_bias"]])
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+
+
+def test_forward_mode_ad_is_not_silently_dropped():
+    """A dual (forward-AD) input goes through the autograd Function, which has no jvp:
+    an error, never outputs without their tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    inputs = {n: x.detach() for n, x in make_inputs(VARLEN).items()}
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="jvp"):
+        inputs["v"] = fwAD.make_dual(inputs["v"], torch.ones_like(inputs["v"]))
+        run_api(inputs, VARLEN)
+
+
 def test_backend_keyword_is_passed_to_dispatch(spy):
     inputs = make_inputs(VARLEN)
     run_api(inputs, VARLEN, backend="torch")

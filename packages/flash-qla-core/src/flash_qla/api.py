@@ -226,7 +226,11 @@ def _forward(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seql
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd would record the call (grad mode on and an input requires grad)."""
+    """Whether autograd would record the call: grad mode on and an input requires grad,
+    or forward-mode AD active (a dual tensor's tangent must reach the Function, which
+    then raises for want of a ``jvp`` instead of dropping it)."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 

@@ -6,22 +6,32 @@ Hk, Hv, N, sequence lengths) is dynamic and never triggers a recompilation.
 
 import sys
 import types
+from types import MappingProxyType
 
 
 class _Traits(types.ModuleType):
-    """This module's type: every assignment to one of its attributes (tests and tuning
-    patch traits with ``setattr``) increments ``revision``, so caches of values derived
-    from traits (the segment planner's) key on one int instead of every value. A dict
-    trait changed in place is not seen: replace it."""
+    """This module's type: every assignment to or deletion of one of its attributes
+    (tests and tuning patch traits with ``setattr``) increments ``revision``, so caches
+    of values derived from traits (the segment planner's) key on one int instead of
+    every value. The dict traits are read-only views (``MappingProxyType``): replace
+    them, an in-place edit raises."""
 
     def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        if name != "revision":
-            super().__setattr__("revision", self.revision + 1)
+        types.ModuleType.__setattr__(self, name, value)
+        self._bump(name)
+
+    def __delattr__(self, name: str) -> None:
+        types.ModuleType.__delattr__(self, name)
+        self._bump(name)
+
+    def _bump(self, name: str) -> None:
+        if name not in ("revision", "__class__"):
+            types.ModuleType.__setattr__(self, "revision", self.revision + 1)
 
 
-#: Assignments to this module's attributes since import (see ``_Traits``).
-revision = 0
+#: Assignments to this module's attributes since its first import (see ``_Traits``;
+#: a reload continues the count, so no cached plan outlives it).
+revision = globals().get("revision", -1) + 1
 sys.modules[__name__].__class__ = _Traits
 
 
@@ -66,7 +76,7 @@ FWD_WIDE = (BLOCK_V_WIDE, FWD_THREADS)
 #: by BLOCK_V. Fitted on the H200 (2026-11-30, ``benchmark/tune_chunk_fwd.py``, column
 #: "us/chunk": 2/8 and 8/32 at 1x32768, 16/16 4x8192, 16/64 1x32768). A grid of n CTAs
 #: costs ceil(n / SMs) * chunks * this.
-FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
+FWD_CHUNK_US = MappingProxyType({BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0})
 
 #: The transposed-state forwards (one CTA per (sequence, value head), whole 128 x 128
 #: state in registers), used where the cost model prefers them to every ``chunk_fwd``
@@ -76,7 +86,7 @@ FWD_CHUNK_US = {BLOCK_V_NARROW: 4.55, BLOCK_V: 5.4, BLOCK_V_WIDE: 10.0}
 #: 3.72-3.97 us on 16/16 4x8192, 16/32 8x4096, 2/8 1x2048 with setmaxnreg (2026-11-30,
 #: fifth session; 4.82-5.01 before it).
 FWD_TRANSPOSED = True
-FWD_CHUNK_US_TRANSPOSED = {"t": 5.8, "ws": 3.85}
+FWD_CHUNK_US_TRANSPOSED = MappingProxyType({"t": 5.8, "ws": 3.85})
 #: Which transposed forward runs: ``chunk_fwd_ws`` (True; verified on the H200,
 #: 2026-11-30: its 17 tests and every forward test with it on by default) or
 #: ``chunk_fwd_t`` (False; verified earlier, kept as the simpler reference kernel).
