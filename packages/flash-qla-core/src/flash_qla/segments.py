@@ -76,6 +76,12 @@ def host_bounds(B: int, T: int, cu_seqlens: Tensor | None,
     return _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
 
 
+def _with_batch(x: Tensor, B: int, T: int) -> Tensor:
+    """``x`` ``[B', T', ...]`` viewed as ``[B, T, ...]`` (B' T' = B T); ``x`` itself when it
+    already is (a view op costs host time on every call)."""
+    return x if x.shape[:2] == (B, T) else x.reshape(B, T, *x.shape[2:])
+
+
 def segment_bounds(bounds: list[int], segment_len: int) -> tuple[list[int], list[int]]:
     """Split packed sequences into segments.
 
@@ -405,7 +411,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
                            initial_state=initial_state, cu_seqlens=cu_seqlens,
                            cu_seqlens_cpu=cu_seqlens_cpu)
     plan = _plan_for(bounds, segment_len, q.device)
-    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cumsum, beta, A, do)]
+    packed = [_with_batch(x, 1, B * T) for x in (q, k, v, g_cumsum, beta, A, do)]
     *grads, dh0_seg = kernels.bwd_warmup(
         *packed, dht=dht, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
         cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound),
@@ -416,7 +422,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
         if plan.any_empty:                           # no tokens: dh0 = dht (or 0)
             empty = (plan.ends == 0)[:, None, None, None]
             dh0 = torch.where(empty, dh0.new_zeros(()) if dht is None else dht, dh0)
-    return (*(x.reshape(B, T, *x.shape[2:]) for x in grads), dh0)
+    return (*(_with_batch(x, B, T) for x in grads), dh0)
 
 
 def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
@@ -433,7 +439,7 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
     anything else there."""
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
-    packed = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    packed = [_with_batch(x, 1, B * T) for x in (q, k, v, g, beta)]
     bounded = uses_warmup(kernels, shortcut_bound) and not output_h and bounds[-1] > bounds[0]
     if is_capturing(q.device) and not (bounded and cu_seqlens is None):
         raise ValueError(f"segment_len: expected None inside CUDA-graph capture, except "
@@ -450,6 +456,5 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
             kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
             output_final_state=output_final_state, output_h=output_h,
             segment_len=segment_len)
-    return (g_cumsum.reshape(B, T, *g_cumsum.shape[2:]), A.reshape(B, T, *A.shape[2:]),
-            o.reshape(B, T, *o.shape[2:]),
+    return (_with_batch(g_cumsum, B, T), _with_batch(A, B, T), _with_batch(o, B, T),
             None if h is None else h.reshape(B, -1, *h.shape[2:]), final_state)

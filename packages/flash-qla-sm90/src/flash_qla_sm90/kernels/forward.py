@@ -266,6 +266,13 @@ def _no_walk(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(maxsize=16)
+def _no_h(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
+    """``[1, Hv, K, V]`` fp32: the h of a launch that stores none (never read; Hv, K, V
+    must match the call's, which the launcher checks)."""
+    return torch.empty(1, Hv, K, V, dtype=torch.float32, device=device)
+
+
 def _walk_args(walks, device: torch.device) -> tuple:
     """The ws kernel's last three arguments: ``(seq_start, seq_index, log_bound)`` of
     the bounded split's walk rule (``flash_qla.segments.WalkStarts``), or unread
@@ -296,7 +303,8 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     has_h0 = initial_state is not None
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
-    h = final_state.new_empty(num_chunks if store_h else 1, Hv, K, V)
+    h = (final_state.new_empty(num_chunks, Hv, K, V) if store_h
+         else _no_h(q.device, Hv, K, V))
     dtype = _DTYPE_NAMES[q.dtype]
     if walks is not None:                                # the bounded split
         kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h, True)
