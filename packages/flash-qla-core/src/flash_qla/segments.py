@@ -69,10 +69,10 @@ def host_bounds(B: int, T: int, cu_seqlens: Tensor | None,
                 cu_seqlens_cpu: Tensor | None) -> list[int]:
     """Sequence offsets ``[N + 1]`` on the host: ``b * T`` for dense ``[B, T]`` inputs,
     else ``cu_seqlens`` (from ``cu_seqlens_cpu`` when given; otherwise a host sync)."""
-    from .reference import _sequence_bounds  # lazily: `import flash_qla` stays light
-
     if cu_seqlens is None:
         return [b * T for b in range(B + 1)]
+    from .reference import _sequence_bounds  # lazily: `import flash_qla` stays light
+
     return _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
 
 
