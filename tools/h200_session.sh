@@ -22,6 +22,8 @@
 #   fla       forward beside FLA_PEERS (default fla; "fla,flashqla" adds FlashQLA 0.1.3,
 #             whose kernels the bundle precompiles) on FLA_SHAPES (FLA autotunes every
 #             shape, each config timed FLA_TUNE_REP_MS, default 20 ms, not Triton's 100)
+#   host      tools/host_cost.py on HOST_SHAPES (host wall per eager call, each TileLang
+#             launch alone, cProfile); with the FlashQLA peer in the bundle, its wall too
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
 #             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists);
 #             NCU_SOURCE=1 adds the stall samples per SASS instruction (ncu-sass.csv)
@@ -109,6 +111,14 @@ if has seg; then
       --out "$R/seg-profile" > "$R/seg-profile.txt" 2>&1
   fi
 fi
+if has host; then
+  HS=${HOST_SHAPES:-2/8@1x32768,2/8@1x8192,16/16@1x32768}
+  timeout "$(cap 90)" python3 tools/host_cost.py --shapes "$HS" > "$R/host-ours.txt" 2>&1
+  if [ -n "$FQ" ]; then
+    timeout "$(cap 90)" python3 tools/host_cost.py --impl flashqla $FQ --shapes "$HS" \
+      > "$R/host-flashqla.txt" 2>&1
+  fi
+fi
 if has ncu; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
@@ -145,3 +155,4 @@ for f in "$R"/{fwd,evidence,profile,fla}.txt "$R"/bwd-*.txt "$R"/seg-*.txt; do  
   [ -f "$f" ] && grep "^|" "$f" | head -12
 done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"
+for f in "$R"/host-*.txt; do [ -f "$f" ] && tail -6 "$f"; done
