@@ -229,7 +229,7 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd would record the call: grad mode on and an input requires grad,
     or forward-mode AD active (a dual tensor's tangent must reach the Function, which
     then raises for want of a ``jvp`` instead of dropping it)."""
-    if torch.autograd.forward_ad._current_level >= 0:
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:   # private: guarded
         return True
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
