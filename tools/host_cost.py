@@ -16,9 +16,7 @@ import cProfile
 import functools
 import io
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,14 +27,9 @@ import common as C  # noqa: E402
 
 
 def _wall_us(fn, iters: int = 200) -> float:
-    """Median wall time of ``fn`` without a sync between calls, microseconds."""
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    """Median wall time of ``fn`` without a sync between calls, microseconds
+    (``benchmark/common.host_wall``, the profiler's host column)."""
+    return C.host_wall(fn, iters)["wall_us"]
 
 
 def _gpu_us(fn, iters: int = 20) -> float:
@@ -69,8 +62,7 @@ class _Recorder:
 
 
 def _launch_costs(recorders: dict) -> dict:
-    """Host us of one launch of each recorded kernel (its last arguments), and of the
-    builder lookup that returns it."""
+    """Host us of one launch of each recorded kernel (its last arguments)."""
     out = {}
     for name, rec in recorders.items():
         if rec.last is None:
