@@ -144,12 +144,19 @@ def test_dh_kernel_matches_torch_sweep(case):
             assert rel_l2(a.float(), b.float()) < 1e-2, name
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12], BWD_CASES[1], CASES[8]],
-                         ids=lambda c: c.id)
+#: Hv = Hk cases: chunk_bwd_intra writes dq / dk in q's dtype there (fp16; varlen with
+#: an empty sequence, length-1 ones and padding)
+SAME_HEAD_CASES = [Case(2, 1000, 4, 4, dtype=torch.float16),
+                   _varlen([1, 63, 0, 75, 130, 1], 2, 2, pad=37)]
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12], BWD_CASES[1], CASES[8],
+                                  *SAME_HEAD_CASES], ids=lambda c: c.id)
 def test_intra_kernel_matches_torch_chunk_grads(case):
     """The chunk_bwd_intra kernel (``chunk_grads``) against the chunk-parallel PyTorch
     gradients given the same h and dS1: relative L2 < 1e-2 for dq, dk, dv and < 2e-2
-    for dbeta, dg; same dtypes and shapes."""
+    for dbeta, dg; same dtypes and shapes (dq / dk in q's dtype from the kernel itself
+    where Hv = Hk)."""
     from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
     from flash_qla_sm90.kernels.backward import chunk_states, state_grads
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_grads

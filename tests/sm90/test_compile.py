@@ -73,9 +73,10 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     dh_tilings = 1 + traits.FWD_NARROW_TILING
     warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # the bounded split
     # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0
-    # x store_h, dh x has_dht x tiling, the warm-up dh x has_dht x 2 tilings, intra
+    # x store_h, dh x has_dht x tiling, the warm-up dh x has_dht x 2 tilings, intra with
+    # fp32 and with dtype dq / dk
     assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 4 * warmup
-                                               + 2 * dh_tilings + 4 * warmup + 1)
+                                               + 2 * dh_tilings + 4 * warmup + 2)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -141,7 +142,7 @@ def _ptxas_report(src: str, tmp_path) -> str:
 
 
 @pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_dh",
-                                    "bwd_dh_warmup", "bwd_intra"])
+                                    "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
     ("wgmma.mma_async instructions are serialized"), which makes every 16-deep step wait
@@ -163,6 +164,7 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
         "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
+        "bwd_intra_dtype": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128, True)),
     }[kernel]
     report = _ptxas_report(_source(builder, *args), tmp_path)
     assert "Used" in report, report[-2000:]
@@ -177,13 +179,19 @@ def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
     assert "tma_load" in src
 
 
+@pytest.mark.parametrize("qk_grads_in_dtype", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_backward_intra_kernel_compiles_to_wgmma(dtype):
+def test_backward_intra_kernel_compiles_to_wgmma(dtype, qk_grads_in_dtype):
     # one chunk per CTA, no loop to pipeline: plain guarded vector loads, WGMMA GEMMs
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
 
-    src = _source(chunk_bwd_intra_kernel, dtype, 128, 128)
+    src = _source(chunk_bwd_intra_kernel, dtype, 128, 128,
+                  *((True,) if qk_grads_in_dtype else ()))       # the shipped variants' keys
     assert "wgmma" in src
+    # the dq / dk pointers take the requested element type
+    ctype = {"bfloat16": "bfloat16_t", "float16": "half_t"}[dtype] if qk_grads_in_dtype \
+        else "float"
+    assert re.search(rf"{ctype}\*\s*__restrict__\s+dq\b", src), src[:2000]
 
 
 # Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
@@ -211,7 +219,7 @@ def _global_accesses(src: str):
 
 @pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws",
                                     "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh",
-                                    "bwd_dh_warmup", "bwd_intra"])
+                                    "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
@@ -236,6 +244,7 @@ def test_global_indexing_is_64_bit(kernel):
         "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
         "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
+        "bwd_intra_dtype": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128, True)),
     }[kernel]
     accesses = [(p, e) for p, e in _global_accesses(_source(builder, *args)) if p not in _SMALL]
     assert accesses, "no global access found: the pattern no longer matches the codegen"

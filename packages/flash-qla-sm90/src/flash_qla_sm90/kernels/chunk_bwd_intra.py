@@ -48,8 +48,10 @@ from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
+def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool = False):
     """Build the per-chunk gradient kernel for q/k/v dtype ``dtype`` and head dims K, V.
+    ``qk_grads_in_dtype``: dq, dk are written in ``dtype`` (Hv = Hk: no GVA sum follows,
+    so the fp32 copies and their casts are saved), else in fp32.
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences, NT real
     chunks, NTmax >= NT grid rows):
@@ -62,7 +64,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
         chunk_offsets   [N+1]           int32, first chunk of each sequence (row in h, dS1)
         chunk_idx       [NTmax, 2]      int32, (sequence, chunk within it); -1 rows skipped
         scale           fp32 scalar
-        dq, dk          [Tt, Hv, K]     fp32 out, per value head (GVA sum done by the caller)
+        dq, dk          [Tt, Hv, K]     fp32 (or dtype, see above) out, per value head
+                                        (GVA sum done by the caller)
         dv              [Tt, Hv, V]     dtype out
         dbeta, dg       [Tt, Hv]        fp32 out (dg w.r.t. the raw per-token gate)
     Only rows of real tokens are written.
@@ -71,6 +74,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
     assert K == 2 * C and V % 32 == 0      # <S0, dS1> row sums folded onto C rows
     Tt, Hk, Hv, N1, NT, NTmax = T.dynamic("Tt, Hk, Hv, N1, NT, NTmax")
     f32 = "float32"
+    qk_grad = dtype if qk_grads_in_dtype else f32
     BV = V // 2                                              # S0 / dS1 staged in two halves
 
     @T.prim_func
@@ -88,8 +92,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
         chunk_offsets: T.Tensor((N1,), "int32"),
         chunk_idx: T.Tensor((NTmax, 2), "int32"),
         scale: T.float32,
-        dq: T.Tensor((Tt, Hv, K), f32),
-        dk: T.Tensor((Tt, Hv, K), f32),
+        dq: T.Tensor((Tt, Hv, K), qk_grad),
+        dk: T.Tensor((Tt, Hv, K), qk_grad),
         dv: T.Tensor((Tt, Hv, V), dtype),
         dbeta: T.Tensor((Tt, Hv), f32),
         dg: T.Tensor((Tt, Hv), f32),
@@ -325,8 +329,9 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
 
     Returns ``(dq, dk, dv, dbeta, dg)`` like
     :func:`flash_qla.chunk_parallel.chunk_gated_delta_rule_bwd_parallel`: dq, dk
-    ``[B, T, Hk, K]`` in q's / k's dtype (per value head from the kernel, then summed
-    over the G = Hv / Hk value heads of each q/k head, deterministically); dv
+    ``[B, T, Hk, K]`` in q's / k's dtype (per value head from the kernel in fp32, then
+    summed over the G = Hv / Hk value heads of each q/k head, deterministically; written
+    in q's dtype by the kernel when Hv = Hk); dv
     ``[B, T, Hv, V]`` in v's dtype; dbeta ``[B, T, Hv]`` in beta's dtype; dg
     ``[B, T, Hv]`` fp32. Padding tokens after ``cu_seqlens[-1]`` get zeros.
     """
@@ -341,13 +346,16 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     NT = h.numel() // (Hv * K * V)
     zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
     alloc = torch.zeros if zero else torch.empty
-    dq = alloc(Tt, Hv, K, dtype=torch.float32, device=q.device)
-    dk = alloc(Tt, Hv, K, dtype=torch.float32, device=q.device)
+    in_dtype = Hv == Hk                       # no GVA sum: the kernel writes q's dtype
+    qk_dtype = dt if in_dtype else torch.float32
+    dq = alloc(Tt, Hv, K, dtype=qk_dtype, device=q.device)
+    dk = alloc(Tt, Hv, K, dtype=qk_dtype, device=q.device)
     dv = alloc(Tt, Hv, V, dtype=dt, device=q.device)
     dbeta = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     if NT > 0:
-        chunk_bwd_intra_kernel(_DTYPE_NAMES[dt], K, V)(
+        statics = (True,) if in_dtype else ()          # the shipped cache's exact keys
+        chunk_bwd_intra_kernel(_DTYPE_NAMES[dt], K, V, *statics)(
             _packed(q), _packed(k, dt), _packed(v, dt), _packed(do, dt),
             _packed(g_cumsum, torch.float32), _packed(beta, torch.float32), _packed(A, dt),
             h.reshape(NT, Hv, K, V).float().contiguous(),

@@ -70,6 +70,7 @@ def variants(experimental: bool = False):
                     for block_v in (traits.BLOCK_V, traits.BLOCK_V_NARROW):
                         yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, block_v, True)
             yield chunk_bwd_intra_kernel, (dtype, K, V)
+            yield chunk_bwd_intra_kernel, (dtype, K, V, True)          # Hv = Hk
 
 
 def _transposed_builders(K: int, V: int, experimental: bool) -> tuple:
