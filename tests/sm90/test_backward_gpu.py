@@ -150,13 +150,19 @@ SAME_HEAD_CASES = [Case(2, 1000, 4, 4, dtype=torch.float16),
                    _varlen([1, 63, 0, 75, 130, 1], 2, 2, pad=37)]
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12], BWD_CASES[1], CASES[8],
-                                  *SAME_HEAD_CASES], ids=lambda c: c.id)
-def test_intra_kernel_matches_torch_chunk_grads(case):
+_INTRA_CASES = [CASES[0], CASES[11], CASES[12], BWD_CASES[1], CASES[8], *SAME_HEAD_CASES]
+
+
+@pytest.mark.parametrize(("case", "states"),
+                         [(c, "fp32") for c in _INTRA_CASES]
+                         + [(c, "dtype") for c in (CASES[0], SAME_HEAD_CASES[1], CASES[8])],
+                         ids=lambda x: getattr(x, "id", x))
+def test_intra_kernel_matches_torch_chunk_grads(case, states):
     """The chunk_bwd_intra kernel (``chunk_grads``) against the chunk-parallel PyTorch
-    gradients given the same h and dS1: relative L2 < 1e-2 for dq, dk, dv and < 2e-2
-    for dbeta, dg; same dtypes and shapes (dq / dk in q's dtype from the kernel itself
-    where Hv = Hk)."""
+    gradients given the same h and dS1 (fp32): relative L2 < 1e-2 for dq, dk, dv and
+    < 2e-2 for dbeta, dg; same dtypes and shapes (dq / dk in q's dtype from the kernel
+    itself where Hv = Hk). ``states`` "dtype": the kernel gets h and dS1 rounded to q's
+    dtype (the bounded backward's, ``traits.BWD_STATES_IN_DTYPE``)."""
     from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
     from flash_qla_sm90.kernels.backward import chunk_states, state_grads
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_grads
@@ -168,7 +174,8 @@ def test_intra_kernel_matches_torch_chunk_grads(case):
     common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
-    ours = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, **common)
+    kernel_states = (h, dS1) if states == "fp32" else (h.to(q.dtype), dS1.to(q.dtype))
+    ours = chunk_grads(q, k, v, g_cumsum, beta, A, do, *kernel_states, **common)
     ref = chunk_gated_delta_rule_bwd_parallel(q, k, v, g_cumsum, beta, A, do, h, dht=dht,
                                               initial_state=h0, dS1=dS1, dh0=dh0, **common)
     tol = {"dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dbeta": 2e-2, "dg": 2e-2}

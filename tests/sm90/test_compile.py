@@ -73,10 +73,10 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     dh_tilings = 1 + traits.FWD_NARROW_TILING
     warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # the bounded split
     # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0
-    # x store_h, dh x has_dht x tiling, the warm-up dh x has_dht x 2 tilings, intra with
-    # fp32 and with dtype dq / dk
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 4 * warmup
-                                               + 2 * dh_tilings + 4 * warmup + 2)
+    # x store_h (+ x has_h0 with h in dtype), dh x has_dht x tiling, the warm-up dh x
+    # has_dht x 2 tilings x dS1 dtype, intra x dq / dk dtype x state dtype
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 6 * warmup
+                                               + 2 * dh_tilings + 8 * warmup + 4)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -93,8 +93,9 @@ def test_experimental_variants_add_the_kernels_that_are_off():
                 if b is chunk_fwd_t_kernel or b is chunk_fwd_ws_kernel}
 
     both = transposed(True)
-    # (kernel x has_h0 x store_h, + ws's warm-up x has_h0 x store_h) x dtype
-    assert len(both) == (2 * 4 + 4) * len(traits.DTYPES)
+    # (kernel x has_h0 x store_h, + ws's warm-up x has_h0 x store_h, + its h in dtype x
+    # has_h0) x dtype
+    assert len(both) == (2 * 4 + 4 + 2) * len(traits.DTYPES)
     assert transposed(False) <= both
     builders = [b for b, _ in variants(True)]
     assert all(b in builders for b in PREPARE_KERNELS.values())      # both prepare kernels
@@ -142,7 +143,9 @@ def _ptxas_report(src: str, tmp_path) -> str:
 
 
 @pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_dh",
-                                    "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype"])
+                                    "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype",
+                                    "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
+                                    "bwd_intra_states_dtype"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
     ("wgmma.mma_async instructions are serialized"), which makes every 16-deep step wait
@@ -165,6 +168,11 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
         "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
         "bwd_intra_dtype": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128, True)),
+        "fwd_ws_warmup_h_dtype": (chunk_fwd_ws_kernel,
+                                  ("bfloat16", 128, 128, True, True, True, True)),
+        "bwd_dh_warmup_dtype": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True, True)),
+        "bwd_intra_states_dtype": (chunk_bwd_intra_kernel,
+                                   ("bfloat16", 128, 128, True, True)),
     }[kernel]
     report = _ptxas_report(_source(builder, *args), tmp_path)
     assert "Used" in report, report[-2000:]
@@ -219,7 +227,9 @@ def _global_accesses(src: str):
 
 @pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws",
                                     "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh",
-                                    "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype"])
+                                    "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype",
+                                    "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
+                                    "bwd_intra_states_dtype"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
@@ -245,6 +255,11 @@ def test_global_indexing_is_64_bit(kernel):
         "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
         "bwd_intra_dtype": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128, True)),
+        "fwd_ws_warmup_h_dtype": (chunk_fwd_ws_kernel,
+                                  ("bfloat16", 128, 128, True, True, True, True)),
+        "bwd_dh_warmup_dtype": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True, True)),
+        "bwd_intra_states_dtype": (chunk_bwd_intra_kernel,
+                                   ("bfloat16", 128, 128, True, True)),
     }[kernel]
     accesses = [(p, e) for p, e in _global_accesses(_source(builder, *args)) if p not in _SMALL]
     assert accesses, "no global access found: the pattern no longer matches the codegen"

@@ -180,3 +180,14 @@ def test_traits_revision_counts_assignments(monkeypatch):
     assert traits.revision == start + 1
     monkeypatch.undo()
     assert traits.revision == start + 2
+
+
+def test_static_flags_keep_the_shipped_cache_keys():
+    """Builder flags at their default (False) are dropped from the end, so a call that
+    passes them hits the cache entry of one that omits them."""
+    from flash_qla_sm90.kernels.forward import static_flags
+
+    assert static_flags() == ()
+    assert static_flags(False, False) == ()
+    assert static_flags(True, False) == (True,)
+    assert static_flags(False, True) == (False, True)

@@ -25,7 +25,7 @@ from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGE
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
 def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int = BLOCK_V,
-                        warmup: bool = False):
+                        warmup: bool = False, ds1_in_dtype: bool = False):
     """Build the reverse dS sweep for one static configuration (``block_v`` columns of dS
     per CTA: ``traits.BLOCK_V``, or ``BLOCK_V_NARROW`` for grids far below one wave).
 
@@ -38,7 +38,8 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
         chunk_offsets   [N+1]           int32, first chunk of each sequence
         dht             [N, Hv, K, V]   fp32 (ignored unless has_dht)
         scale           fp32 scalar
-        dS1             [NT, Hv, K, V]  fp32 out, state gradient at each chunk's end
+        dS1             [NT, Hv, K, V]  fp32 (``dtype`` with ``ds1_in_dtype``) out, state
+                                        gradient at each chunk's end
         dh0             [N, Hv, K, V]   fp32 out
         walk_end, dht_from  [NW, HW]    int32, read only with ``warmup``
 
@@ -54,6 +55,7 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
     # N0: dht's rows (sequences; with ``warmup`` N counts segments)
     Tt, Hk, Hv, N, N0, N1, NT, NW, HW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW, HW")
     f32 = "float32"
+    ds1_dtype = dtype if ds1_in_dtype else f32
 
     @T.prim_func
     def chunk_bwd_dh(
@@ -67,7 +69,7 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
         chunk_offsets: T.Tensor((N1,), "int32"),
         dht: T.Tensor((N0, Hv, K, V), f32),
         scale: T.float32,
-        dS1: T.Tensor((NT, Hv, K, V), f32),
+        dS1: T.Tensor((NT, Hv, K, V), ds1_dtype),
         dh0: T.Tensor((N, Hv, K, V), f32),
         walk_end: T.Tensor((NW, HW), "int32"),
         dht_from: T.Tensor((NW, HW), "int32"),

@@ -48,10 +48,13 @@ from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool = False):
+def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool = False,
+                           states_in_dtype: bool = False):
     """Build the per-chunk gradient kernel for q/k/v dtype ``dtype`` and head dims K, V.
     ``qk_grads_in_dtype``: dq, dk are written in ``dtype`` (Hv = Hk: no GVA sum follows,
-    so the fp32 copies and their casts are saved), else in fp32.
+    so the fp32 copies and their casts are saved), else in fp32. ``states_in_dtype``: h
+    and dS1 come in ``dtype`` (the bounded backward's), else in fp32; either way they
+    become ``dtype`` GEMM operands, and only ``<S0, dS1>`` (for dg) is summed in fp32.
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences, NT real
     chunks, NTmax >= NT grid rows):
@@ -59,7 +62,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
         v, do           [Tt, Hv, V]     dtype
         g_cumsum, beta  [Tt, Hv]        fp32
         A               [Tt, Hv, C]     dtype, gate-free inverse per chunk row
-        h, dS1          [NT, Hv, K, V]  fp32, chunk-start state and chunk-end state gradient
+        h, dS1          [NT, Hv, K, V]  fp32 (or dtype, see above), chunk-start state and
+                                        chunk-end state gradient
         cu_seqlens      [N+1]           int32
         chunk_offsets   [N+1]           int32, first chunk of each sequence (row in h, dS1)
         chunk_idx       [NTmax, 2]      int32, (sequence, chunk within it); -1 rows skipped
@@ -75,6 +79,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
     Tt, Hk, Hv, N1, NT, NTmax = T.dynamic("Tt, Hk, Hv, N1, NT, NTmax")
     f32 = "float32"
     qk_grad = dtype if qk_grads_in_dtype else f32
+    state = dtype if states_in_dtype else f32
     BV = V // 2                                              # S0 / dS1 staged in two halves
 
     @T.prim_func
@@ -86,8 +91,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
         g_cumsum: T.Tensor((Tt, Hv), f32),
         beta: T.Tensor((Tt, Hv), f32),
         A: T.Tensor((Tt, Hv, C), dtype),
-        h: T.Tensor((NT, Hv, K, V), f32),
-        dS1: T.Tensor((NT, Hv, K, V), f32),
+        h: T.Tensor((NT, Hv, K, V), state),
+        dS1: T.Tensor((NT, Hv, K, V), state),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
         chunk_idx: T.Tensor((NTmax, 2), "int32"),
@@ -337,7 +342,7 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     """
     from flash_qla.reference import _reduce_heads
 
-    from .forward import _DTYPE_NAMES, _packed, _zero_padding_rows, layout_for
+    from .forward import _DTYPE_NAMES, _packed, _zero_padding_rows, layout_for, static_flags
 
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
@@ -348,18 +353,20 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     alloc = torch.zeros if zero else torch.empty
     in_dtype = Hv == Hk                       # no GVA sum: the kernel writes q's dtype
     qk_dtype = dt if in_dtype else torch.float32
+    states_in_dtype = h.dtype == dt and dS1.dtype == dt      # the bounded backward's
+    state_dtype = dt if states_in_dtype else torch.float32
     dq = alloc(Tt, Hv, K, dtype=qk_dtype, device=q.device)
     dk = alloc(Tt, Hv, K, dtype=qk_dtype, device=q.device)
     dv = alloc(Tt, Hv, V, dtype=dt, device=q.device)
     dbeta = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     if NT > 0:
-        statics = (True,) if in_dtype else ()          # the shipped cache's exact keys
+        statics = static_flags(in_dtype, states_in_dtype)
         chunk_bwd_intra_kernel(_DTYPE_NAMES[dt], K, V, *statics)(
             _packed(q), _packed(k, dt), _packed(v, dt), _packed(do, dt),
             _packed(g_cumsum, torch.float32), _packed(beta, torch.float32), _packed(A, dt),
-            h.reshape(NT, Hv, K, V).float().contiguous(),
-            dS1.reshape(NT, Hv, K, V).float().contiguous(),
+            h.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
+            dS1.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             layout.cu_seqlens, layout.chunk_offsets, layout.chunk_idx, float(scale),
             dq, dk, dv, dbeta, dg)
     return (_reduce_heads(dq.view(B, T, Hv, K), Hk).to(q.dtype),

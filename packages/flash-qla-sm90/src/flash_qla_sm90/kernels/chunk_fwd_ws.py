@@ -63,7 +63,7 @@ AUX_BARRIER = 1
 @tilelang.jit(target=TARGET, pass_configs={
     **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
-                        warmup: bool = False):
+                        warmup: bool = False, h_in_dtype: bool = False):
     """Build the forward; arguments and outputs as ``chunk_fwd_kernel`` (state layouts
     [.., K, V]; the kernel transposes on load and store), plus ``seq_start`` and
     ``seq_index`` (``[NW]`` int32) and ``log_bound``, read only when ``warmup``.
@@ -81,11 +81,16 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     over m chunks waits on ceil(m / WALK_UNROLL) memory round trips.
     ``final_state[n]`` is the segment's final state; with ``store_h``, h is stored for
     the segment's own chunks only (rows from ``chunk_offsets[n]``, the segment's first
-    chunk in the sequences' chunk numbering), not for the warm-up."""
+    chunk in the sequences' chunk numbering), not for the warm-up.
+
+    ``h_in_dtype``: h is stored in ``dtype`` instead of fp32 (the bounded backward's
+    chunk states: half the bytes; its per-chunk gradient kernel rounds them to ``dtype``
+    GEMM operands anyway)."""
     C = CHUNK
     # N0: initial_state's rows (sequences; with ``warmup`` N counts segments)
     Tt, Hk, Hv, N, N0, N1, NTh, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW")
     f32 = "float32"
+    h_dtype = dtype if h_in_dtype else f32
 
     @T.macro
     def load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, t0, hk, h, c):
@@ -126,7 +131,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         scale: T.float32,
         o: T.Tensor((Tt, Hv, V), dtype),
         final_state: T.Tensor((N, Hv, K, V), f32),
-        h_out: T.Tensor((NTh, Hv, K, V), f32),
+        h_out: T.Tensor((NTh, Hv, K, V), h_dtype),
         seq_start: T.Tensor((NW,), "int32"),
         seq_index: T.Tensor((NW,), "int32"),
         log_bound: T.float32,

@@ -50,6 +50,16 @@ def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     return dense(B, T, q.device) if cu_seqlens is None else varlen(cu_seqlens, B * T)
 
 
+def static_flags(*flags: bool) -> tuple[bool, ...]:
+    """Trailing boolean arguments of a kernel builder without its trailing False ones,
+    so a call with the defaults hits the same cache entry (the shipped cache's keys) as
+    a call that omits them."""
+    flags = tuple(flags)
+    while flags and not flags[-1]:
+        flags = flags[:-1]
+    return flags
+
+
 def _packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[B, T, ...] -> contiguous [B*T, ...], optionally cast."""
     x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
@@ -284,7 +294,7 @@ def _walk_args(walks, device: torch.device) -> tuple:
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
            num_chunks: int | None, alloc, tiling: tuple | str | None = None,
-           walks=None):
+           walks=None, h_in_dtype: bool = False):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
@@ -293,7 +303,8 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     ``TRANSPOSED_KERNELS``, overriding :func:`fused_plan`'s choice (tuning).
     ``walks``: the bounded split's walk rule (``flash_qla.segments.WalkStarts``), run
     by ``chunk_fwd_ws`` with ``warmup``, which searches each walk's start itself (the
-    sequences of ``layout`` are the segments).
+    sequences of ``layout`` are the segments); with it, ``h_in_dtype`` stores h in q's
+    dtype instead of fp32.
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -303,11 +314,16 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     has_h0 = initial_state is not None
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
-    h = (final_state.new_empty(num_chunks, Hv, K, V) if store_h
-         else _no_h(q.device, Hv, K, V))
+    if h_in_dtype and walks is None:
+        raise ValueError("h_in_dtype: only the bounded split's kernel (walks) stores h "
+                         "in q's dtype")
+    h = (final_state.new_empty(num_chunks, Hv, K, V,
+                               dtype=q.dtype if h_in_dtype else torch.float32)
+         if store_h else _no_h(q.device, Hv, K, V))
     dtype = _DTYPE_NAMES[q.dtype]
     if walks is not None:                                # the bounded split
-        kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h, True)
+        kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h,
+                                     *static_flags(True, h_in_dtype and store_h))
         extra = _walk_args(walks, q.device)
     else:
         if tiling is None:

@@ -45,7 +45,7 @@ def variants(experimental: bool = False):
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_fwd_ws import chunk_fwd_ws_kernel
     from .chunk_prepare import PREPARE_KERNELS
-    from .forward import prepare_kernel_name
+    from .forward import prepare_kernel_name, static_flags
 
     tilings = [()] + [t for t, on in ((traits.FWD_NARROW, traits.FWD_NARROW_TILING),
                                       (traits.FWD_WIDE, traits.FWD_WIDE_TILING)) if on]
@@ -62,6 +62,8 @@ def variants(experimental: bool = False):
                         yield transposed, (dtype, K, V, has_h0, store_h)
                         if transposed is chunk_fwd_ws_kernel:                  # warm-up
                             yield transposed, (dtype, K, V, has_h0, store_h, True)
+                            if store_h:                         # h in dtype (backward)
+                                yield transposed, (dtype, K, V, has_h0, True, True, True)
             for has_dht in (False, True):
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:
@@ -69,8 +71,12 @@ def variants(experimental: bool = False):
                 if (K, V) == (128, 128) and traits.FWD_AUX_WARPGROUP:  # bounded split
                     for block_v in (traits.BLOCK_V, traits.BLOCK_V_NARROW):
                         yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, block_v, True)
-            yield chunk_bwd_intra_kernel, (dtype, K, V)
-            yield chunk_bwd_intra_kernel, (dtype, K, V, True)          # Hv = Hk
+                        yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, block_v, True,
+                                                    True)               # dS1 in dtype
+            for qk_in_dtype in (False, True):                   # True: Hv = Hk
+                for states_in_dtype in (False, True):           # True: bounded backward
+                    yield chunk_bwd_intra_kernel, (dtype, K, V, *static_flags(
+                        qk_in_dtype, states_in_dtype))
 
 
 def _transposed_builders(K: int, V: int, experimental: bool) -> tuple:

@@ -159,6 +159,14 @@ PASS_CONFIGS = {}
 #: False falls back to the batched PyTorch sweep.
 BWD_DH_KERNEL = True
 
+#: The bounded split's backward keeps its chunk states (h from the warm-up forward, dS1
+#: from the warm-up reverse sweep) in q's dtype instead of fp32: half of ~2 GB of state
+#: traffic at 16/16 1x32768 (predicted -0.25 ms of 3.25). The per-chunk gradient kernel
+#: rounds both to q's dtype GEMM operands anyway; rounding them for every use changes the
+#: gradients by ~1e-3 (CPU emulation, docs/perf-notes.md v8). NOT yet run on the H200
+#: (branch next/bf16-states): False restores fp32 states.
+BWD_STATES_IN_DTYPE = True
+
 #: Use the ``chunk_bwd_intra`` kernel for the per-chunk gradients (needs BWD_DH_KERNEL);
 #: verified on an H200 2026-11-30 (test_intra_kernel_matches_torch_chunk_grads 5/5 and
 #: the API gradients vs the fp64 recurrence with it on). False: chunk-parallel PyTorch.
