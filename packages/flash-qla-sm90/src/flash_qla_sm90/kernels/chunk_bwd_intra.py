@@ -81,6 +81,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
     qk_grad = dtype if qk_grads_in_dtype else f32
     state = dtype if states_in_dtype else f32
     BV = V // 2                                              # S0 / dS1 staged in two halves
+    LATER_GROUPS = 4 if states_in_dtype else 2     # cp.async groups after q, k, A
 
     @T.prim_func
     def chunk_bwd_intra(
@@ -164,11 +165,16 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 hk = T.alloc_var("int32", init=hh // (Hv // Hk))  # GVA: value head -> q/k head
                 srow = T.alloc_var("int32", init=chunk_offsets[seq] + cis)  # row in h, dS1
 
-                T.copy(q[t0:t0 + C, hk, :], q_shared)
-                T.copy(k[t0:t0 + C, hk, :], k_shared)
-                T.copy(v[t0:t0 + C, hh, :], u_shared)
-                T.copy(do[t0:t0 + C, hh, :], do_shared)
-                T.copy(A[t0:t0 + C, hh, :], a_shared)
+                # Every input tile in flight at once (cp.async, one commit group each,
+                # in order of first use); each phase below waits for its own groups.
+                T.async_copy(q[t0:t0 + C, hk, :], q_shared)
+                T.async_copy(k[t0:t0 + C, hk, :], k_shared)
+                T.async_copy(A[t0:t0 + C, hh, :], a_shared)
+                T.async_copy(v[t0:t0 + C, hh, :], u_shared)
+                T.async_copy(do[t0:t0 + C, hh, :], do_shared)
+                if states_in_dtype:               # S0, dS1 straight into their operands
+                    T.async_copy(h[srow, hh, :, :], s0_shared)
+                    T.async_copy(dS1[srow, hh, :, :], ds1_shared)
                 for i in T.Parallel(C):
                     gam_frag[i] = g_cumsum[t0 + T.min(i, rows - 1), hh] * LOG2E
                     beta_frag[i] = T.if_then_else(i < rows, beta[t0 + i, hh], 0.0)
@@ -177,27 +183,15 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     beta_shared[i] = beta_frag[i]
                 # Rows past the end may hold NaN/Inf (padding tokens): zero them, since a
                 # masked factor only cancels them if they are finite (0 * NaN = NaN).
+                # (each thread waits for its own copies; the barrier makes them every
+                # thread's before any row is zeroed or read)
+                T.ptx_wait_group(LATER_GROUPS)                       # q, k, A landed
+                T.sync_threads()
                 zero_rows_past(q_shared, rows)
                 zero_rows_past(k_shared, rows)
-                zero_rows_past(u_shared, rows)
-                zero_rows_past(do_shared, rows)
-
-                # S0, dS1: fp32 -> registers -> dtype operands, and <S0, dS1> row sums in fp32
-                T.clear(ss_acc)
-                for half in T.serial(2):
-                    T.copy(h[srow, hh, :, half * BV:half * BV + BV], st_frag)
-                    T.copy(dS1[srow, hh, :, half * BV:half * BV + BV], dt_frag)
-                    T.copy(st_frag, s0_shared[:, half * BV:half * BV + BV])
-                    T.copy(dt_frag, ds1_shared[:, half * BV:half * BV + BV])
-                    for i, j in T.Parallel(K, BV):
-                        st_frag[i, j] = st_frag[i, j] * dt_frag[i, j]
-                    T.reduce_sum(st_frag, ss_part, dim=1)
-                    for i in T.Parallel(K):
-                        ss_acc[i] = ss_acc[i] + ss_part[i]
-                for i in T.Parallel(K):
-                    ss_shared[i] = ss_acc[i]
-
-                # ---- forward recompute: P, Ag, X, U
+                T.fence_proxy_async()                    # -> WGMMA operand reads
+                T.sync_threads()
+                # ---- forward recompute, while v, dO (and S0, dS1) land: P, Ag
                 T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
@@ -205,10 +199,44 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     p_shared[i, j] = T.if_then_else(live, qk_frag[i, j] * decay, 0.0)
                     ag_shared[i, j] = T.if_then_else(
                         live, a_shared[i, j] * decay * beta_shared[j], 0.0)
-                T.gemm(k_shared, s0_shared, ks0_frag, clear_accum=True)                  # K S0
+                T.ptx_wait_group(0)                                  # v, dO (S0, dS1)
+                T.sync_threads()
+                zero_rows_past(u_shared, rows)
+                zero_rows_past(do_shared, rows)
+
+                # S0, dS1 as dtype operands, and the <S0, dS1> row sums in fp32
+                T.clear(ss_acc)
+                if states_in_dtype:
+                    for half in T.serial(2):
+                        for i, j in T.Parallel(K, BV):
+                            st_frag[i, j] = (T.cast(s0_shared[i, half * BV + j], f32)
+                                             * T.cast(ds1_shared[i, half * BV + j], f32))
+                        T.reduce_sum(st_frag, ss_part, dim=1)
+                        for i in T.Parallel(K):
+                            ss_acc[i] = ss_acc[i] + ss_part[i]
+                else:                                    # fp32 -> registers -> dtype
+                    for half in T.serial(2):
+                        T.copy(h[srow, hh, :, half * BV:half * BV + BV], st_frag)
+                        T.copy(dS1[srow, hh, :, half * BV:half * BV + BV], dt_frag)
+                        T.copy(st_frag, s0_shared[:, half * BV:half * BV + BV])
+                        T.copy(dt_frag, ds1_shared[:, half * BV:half * BV + BV])
+                        for i, j in T.Parallel(K, BV):
+                            st_frag[i, j] = st_frag[i, j] * dt_frag[i, j]
+                        T.reduce_sum(st_frag, ss_part, dim=1)
+                        for i in T.Parallel(K):
+                            ss_acc[i] = ss_acc[i] + ss_part[i]
+                for i in T.Parallel(K):
+                    ss_shared[i] = ss_acc[i]
+                T.fence_proxy_async()
+                T.sync_threads()
+
+                # ---- forward recompute: X, U
+                T.wgmma_gemm(k_shared, s0_shared, ks0_frag, clear_accum=True)            # K S0
+                T.wgmma_gemm(q_shared, s0_shared, cv_frag, clear_accum=True)             # Q S0
+                T.wait_wgmma(1)                                                       # K S0
                 for i, j in T.Parallel(C, V):
                     x_shared[i, j] = u_shared[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
-                T.gemm(q_shared, s0_shared, cv_frag, clear_accum=True)                   # Q S0
+                T.wait_wgmma(0)                                                       # Q S0
                 for i, j in T.Parallel(C, V):
                     cv_frag[i, j] = cv_frag[i, j] * do_shared[i, j]
                 T.reduce_sum(cv_frag, r_qs, dim=1)                                   # <dO, QS0>
@@ -218,8 +246,10 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.copy(u_frag, u_shared)
 
                 # ---- dU = scale P^T dO + D K dS1, and dD = D <K dS1, U>
-                T.gemm(p_shared, do_shared, du_frag, transpose_A=True, clear_accum=True)  # P^T dO
-                T.gemm(k_shared, ds1_shared, cv_frag, clear_accum=True)                  # K dS1
+                T.wgmma_gemm(p_shared, do_shared, du_frag, transpose_A=True,
+                             clear_accum=True)                                        # P^T dO
+                T.wgmma_gemm(k_shared, ds1_shared, cv_frag, clear_accum=True)            # K dS1
+                T.wait_wgmma(0)
                 for i, j in T.Parallel(C, V):
                     kds = T.exp2(gam_shared[C - 1] - gam_shared[i]) * cv_frag[i, j]
                     du_shared[i, j] = du_frag[i, j] * scale + kds
@@ -228,8 +258,11 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 for i in T.Parallel(C):
                     vec_shared[1, i] = T.if_then_else(i < rows, r_dd[i], 0.0)        # dD
 
-                # ---- dAg = dU X^T: dbeta (first term), M, and dGG's M * A
-                T.gemm(du_shared, x_shared, cc_frag, transpose_B=True, clear_accum=True)
+                # ---- dAg = dU X^T: dbeta (first term), M, and dGG's M * A; dX = Ag^T dU
+                # (= dV) issued behind it, waited for below
+                T.wgmma_gemm(du_shared, x_shared, cc_frag, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)
+                T.wait_wgmma(1)                                                       # dAg
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
                     decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
@@ -242,7 +275,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     vec_shared[2, j] = c_dba[j]                                       # dbeta, 1st
 
                 # ---- dX = Ag^T dU (= dV); -E dX replaces dU as an operand
-                T.gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)
+                T.wait_wgmma(0)                                                       # dX
                 for i, j in T.Parallel(C, V):
                     if i < rows:
                         dv[t0 + i, hh, j] = dx_frag[i, j]
@@ -254,8 +287,11 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 for i in T.Parallel(C):
                     vec_shared[3, i] = r_ks[i]
 
-                # ---- dP = scale dO U^T: dP * G, and dGG's dP * G * QK
-                T.gemm(do_shared, u_shared, cc_frag, transpose_B=True, clear_accum=True)
+                # ---- dP = scale dO U^T: dP * G, and dGG's dP * G * QK (K K^T, for dN
+                # below, issued behind it)
+                T.wgmma_gemm(do_shared, u_shared, cc_frag, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(1)                                                       # dP
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
                     decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
@@ -273,7 +309,6 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.gemm(a_shared, m_shared, cc_frag, transpose_A=True, clear_accum=True)  # A^T M
                 T.copy(cc_frag, p_shared)
                 T.gemm(p_shared, a_shared, cc_frag, transpose_B=True, clear_accum=True)  # A^T M A^T
-                T.gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)  # K K^T
                 for i, j in T.Parallel(C, C):
                     dn = T.if_then_else((i > j) & (i < rows), -cc_frag[i, j], 0.0)
                     ag_shared[i, j] = dn * beta_shared[i]
@@ -295,10 +330,12 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.gemm(u_shared, ds1_shared, dk_frag, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, K):
                     dk_frag[i, j] = dk_frag[i, j] * T.exp2(gam_shared[C - 1] - gam_shared[i])
-                T.gemm(dpg_shared, q_shared, dk_frag, transpose_A=True)
-                T.gemm(du_shared, s0_shared, dk_frag, transpose_B=True)
-                T.gemm(ag_shared, k_shared, dk_frag)
-                T.gemm(ag_shared, k_shared, dk_frag, transpose_A=True)
+                # four more products into the same accumulator, one wait
+                T.wgmma_gemm(dpg_shared, q_shared, dk_frag, transpose_A=True)
+                T.wgmma_gemm(du_shared, s0_shared, dk_frag, transpose_B=True)
+                T.wgmma_gemm(ag_shared, k_shared, dk_frag)
+                T.wgmma_gemm(ag_shared, k_shared, dk_frag, transpose_A=True)
+                T.wait_wgmma(0)
                 for i, j in T.Parallel(C, K):
                     if i < rows:
                         dk[t0 + i, hh, j] = dk_frag[i, j]
