@@ -950,11 +950,15 @@ def task_profile(spec: dict) -> dict:
         else:
             ga = impl.prepare(inp, spec, requires_grad=True)
             outs = impl.canon(impl.call(ga), ga)
-            res["bwd"] = kernels(
-                lambda: torch.autograd.grad(
+
+            def bwd():
+                return torch.autograd.grad(
                     outs, impl.leaves(ga), (inp["do"], inp["dht"]), retain_graph=True
                 )
-            )
+
+            res["bwd"] = kernels(bwd)
+            if spec.get("host") and dev != "cpu":          # the backward's host wall, syncs
+                res["bwd_host"] = host_wall(bwd, iters)
             res["bwd_status"] = "ok"
     res["status"] = "ok"
     return res

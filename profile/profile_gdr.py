@@ -154,6 +154,15 @@ def total_us(table: dict | None) -> float | None:
     return sum(r["us"] for r in table.values()) if table else None
 
 
+def host_cells(host: dict | None) -> list[str]:
+    """A ``host_wall`` result as two cells: the wall per call (us) and the host syncs
+    (count, first message)."""
+    if not host:
+        return ["–", "–"]
+    first = host["syncs"][0][:60] if host["syncs"] else ""
+    return [f"{host['wall_us']:.1f}", f"{len(host['syncs'])} ({first})"]
+
+
 def render(meta: dict, results: list[dict], args, tag: str) -> str:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{args.set if args.device == 'cuda' else 'cpu'}-{tag}")
@@ -204,6 +213,8 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
         head += ["ours fwd host wall us", "syncs (first)"]
     if not args.skip_bwd:
         head += ["ours bwd us"] + (["FLA bwd us", "vs FLA bwd"] if peer else [])
+        if args.host:
+            head += ["ours bwd host wall us", "bwd syncs (first)"]
     rows = []
     for key in shapes:
         s = C.Shape.from_key(key)
@@ -230,12 +241,11 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
                 f"{fl['floor_ms'] * 1e3 / t:.0%}" if t else "",
             ]
         if args.host:
-            host = o.get("fwd_host")
-            row += ["–", "–"] if not host else [
-                f"{host['wall_us']:.1f}",
-                f"{len(host['syncs'])} ({host['syncs'][0][:60] if host['syncs'] else ''})"]
+            row += host_cells(o.get("fwd_host"))
         if not args.skip_bwd:
             row += [cell(o, "bwd")] + ([cell(f_, "bwd"), ratio("bwd")] if peer else [])
+            if args.host:
+                row += host_cells(o.get("bwd_host"))
         rows.append(row)
     summary = C.format_table(rows, head)
 
