@@ -5,8 +5,10 @@ automatic split), prints: the wall time of one ``chunk_gated_delta_rule`` call w
 sync (the host's cost while the GPU runs behind), the GPU time of the same call (CUDA
 events around 20 calls, synchronised), the host cost of each TileLang launch alone (the
 last call's arguments replayed; ours only), and the top Python functions by own time
-(``cProfile``, 200 calls). usage: python tools/host_cost.py [--shapes 2/8@1x32768,...]
-[--impl flashqla --flashqla-path DIR]
+(``cProfile``, 200 calls). ``--backward``: the same for the backward of ours (the
+autograd Function's ``backward`` called on this thread, where cProfile sees it: autograd
+runs a CUDA backward on its own device thread). usage: python tools/host_cost.py
+[--shapes 2/8@1x32768,...] [--impl flashqla --flashqla-path DIR] [--backward]
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ def _launch_costs(recorders: dict) -> dict:
     return out
 
 
+def _backward_call(impl, a: dict, inp: dict):
+    """The backward of ours on a kept forward, as a plain call on this thread:
+    ``_ChunkGatedDeltaRule.backward(ctx, do, dht)`` with the forward's own node as ctx."""
+    from flash_qla import api
+
+    o, final_state = impl.call(a)
+    node = o.grad_fn
+    while type(node).__name__ != "_ChunkGatedDeltaRuleBackward":     # past views / casts
+        node = node.next_functions[0][0]
+    return functools.partial(api._ChunkGatedDeltaRule.backward, node, inp["do"], inp["dht"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="2/8@1x32768,2/8@1x8192,16/16@1x32768,16/16@4x8192")
@@ -79,12 +93,16 @@ def main() -> None:
     ap.add_argument("--impl", choices=["ours", "flashqla"], default="ours",
                     help="flashqla: FlashQLA 0.1.3 from --flashqla-path (wall and GPU only)")
     ap.add_argument("--flashqla-path")
+    ap.add_argument("--backward", action="store_true",
+                    help="the backward of ours instead of the forward (wall, GPU, cProfile)")
     args = ap.parse_args()
+    if args.backward and args.impl != "ours":
+        ap.error("--backward: ours only")
     ctx = {"flashqla_path": args.flashqla_path}
     impl = C.IMPLS[args.impl]()
     impl.load(ctx)
     recorders = {}
-    if args.impl == "ours":
+    if args.impl == "ours" and not args.backward:
         from flash_qla_sm90.kernels import forward
 
         recorders["ws"] = forward.chunk_fwd_ws_kernel = _Recorder(forward.chunk_fwd_ws_kernel)
@@ -94,18 +112,20 @@ def main() -> None:
     rows, profiles = [], {}
     for spec in args.shapes.split(","):
         shape = C.Shape.from_key(f"fwd:{spec}")
-        inp = C.make_inputs(shape, "model", 0, "cuda", with_grads=False)
+        inp = C.make_inputs(shape, "model", 0, "cuda", with_grads=args.backward)
         a = impl.prepare(inp, ctx)
         a_grad = impl.prepare(inp, ctx, requires_grad=True)
 
         def call(a=a):
             return impl.call(a)
+        if args.backward:
+            call = _backward_call(impl, a_grad, inp)
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-        row = {"shape": spec, "api wall us": _wall_us(call),
-               "api wall us (grad)": _wall_us(functools.partial(call, a_grad)),
-               "gpu us": _gpu_us(call)}
+        row = {"shape": spec, "api wall us": _wall_us(call), "gpu us": _gpu_us(call)}
+        if not args.backward:
+            row["api wall us (grad)"] = _wall_us(functools.partial(call, a_grad))
         row.update(_launch_costs(recorders))
         if recorders:
             row["ws builder us"] = _wall_us(functools.partial(
