@@ -83,7 +83,11 @@ def _backward_call(impl, a: dict, inp: dict):
     node = o.grad_fn
     while type(node).__name__ != "_ChunkGatedDeltaRuleBackward":     # past views / casts
         node = node.next_functions[0][0]
-    return functools.partial(api._ChunkGatedDeltaRule.backward, node, inp["do"], inp["dht"])
+    outs = (o, final_state)                      # the graph (and its saved tensors) lives
+
+    def backward(outs=outs):                     # as long as its outputs do
+        return api._ChunkGatedDeltaRule.backward(node, inp["do"], inp["dht"])
+    return backward
 
 
 def main() -> None:

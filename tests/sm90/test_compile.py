@@ -203,8 +203,7 @@ def test_backward_intra_kernel_compiles_to_wgmma(dtype, qk_grads_in_dtype):
 
 
 # Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
-_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "seq_start", "seq_index", "walk_end",
-          "dht_from"}
+_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "seq_start", "seq_index", "seq_end"}
 
 
 def _global_accesses(src: str):

@@ -48,9 +48,9 @@ from torch import Tensor
 
 from .validation import is_capturing
 
-__all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "WalkStarts", "fwd_with_segments",
-           "host_bounds", "segment_bounds", "segmented_fwd", "uses_warmup", "warmup_bwd",
-           "warmup_ends", "warmup_fwd", "warmup_starts"]
+__all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "WalkEnds", "WalkStarts",
+           "fwd_with_segments", "host_bounds", "segment_bounds", "segmented_fwd",
+           "uses_warmup", "warmup_bwd", "warmup_ends", "warmup_fwd", "warmup_starts"]
 
 #: Segment length used by ``force_intra_cp=True`` without an explicit ``segment_len``
 #: (the fastest of 1024 / 2048 / 4096 on every few-head shape measured on the H200,
@@ -161,6 +161,7 @@ class _Plan:
     first_seg: Tensor       # [N] long: each sequence's first segment (0 if it has none)
     seg_seq_start: Tensor   # [Nseg] int32: its sequence's first token (kernel walks)
     seg_seq: Tensor         # [Nseg] int32: its sequence (seg_n, as the kernels read it)
+    seg_seq_end: Tensor     # [Nseg] int32: its sequence's end token (kernel walks)
     any_empty: bool         # a sequence without tokens (its final state is h0 or 0)
     staging: tuple = ()     # pinned host buffers the device tensors were copied from
 
@@ -196,10 +197,10 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
                        + seq_chunk1 + walk_off + seg_chunk_end + seq_chunk_end + seq_eos
                        + first_seg, device, torch.long, staging)
     slot_t, *rest = index.split(sizes)
-    small = _to_device(seg + seq_bos + seg_n, device, torch.int32, staging)   # int32
-    cu, seq_start, seq = small.split([Nseg + 1, Nseg, Nseg])
+    small = _to_device(seg + seq_bos + seg_n + seq_eos, device, torch.int32, staging)
+    cu, seq_start, seq, seq_end = small.split([Nseg + 1, Nseg, Nseg, Nseg])   # int32
     return _Plan(N, Nseg, J, cu, torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N),
-                 *rest, seg_seq_start=seq_start, seg_seq=seq,
+                 *rest, seg_seq_start=seq_start, seg_seq=seq, seg_seq_end=seq_end,
                  any_empty=min(counts, default=0) == 0, staging=tuple(staging))
 
 
@@ -369,6 +370,33 @@ class WalkStarts:
         return math.log(self.bound)
 
 
+@dataclass(frozen=True)
+class WalkEnds:
+    """The ``ends`` of ``Kernels.bwd_warmup``: the reverse-walk rule of one plan and
+    bound, the mirror of :class:`WalkStarts`. Called with g_cumsum, it computes the
+    walk ends on the device (:func:`warmup_ends`, about twenty small launches: the
+    reference); a kernel can instead search them itself from ``seq_end`` / ``seq_index``
+    (``[Nseg]`` int32: each segment's sequence's end token and index) and ``log_bound``
+    (natural log), the same rule."""
+    plan: _Plan
+    bound: float
+
+    def __call__(self, g_cumsum: Tensor) -> tuple[Tensor, Tensor]:
+        return warmup_ends(g_cumsum, self.plan, self.bound)
+
+    @property
+    def seq_end(self) -> Tensor:
+        return self.plan.seg_seq_end
+
+    @property
+    def seq_index(self) -> Tensor:
+        return self.plan.seg_seq
+
+    @property
+    def log_bound(self) -> float:
+        return math.log(self.bound)
+
+
 def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
                bounds: list[int], output_final_state: bool, segment_len: int,
                shortcut_bound: float):
@@ -415,7 +443,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
     *grads, dh0_seg = kernels.bwd_warmup(
         *packed, dht=dht, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
         cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound),
-        ends=functools.partial(warmup_ends, plan=plan, bound=shortcut_bound))
+        ends=WalkEnds(plan, shortcut_bound))
     dh0 = None
     if initial_state is not None:                    # each sequence's first segment
         dh0 = dh0_seg.index_select(0, plan.first_seg)                    # [N,Hv,K,V]

@@ -43,16 +43,17 @@ def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu,
-                walk_end=None, dht_from=None, ds1_in_dtype: bool = False):
+                ends=None, ds1_in_dtype: bool = False):
     """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32.
-    With ``walk_end`` / ``dht_from`` (``[Nseg, Hv]`` int32, ``cu_seqlens`` the
-    segments): the bounded split's sweep (``chunk_bwd_dh`` with ``warmup``), dh0 per
-    segment; there ``ds1_in_dtype`` stores dS1 in q's dtype instead of fp32."""
+    With ``ends`` (``flash_qla.segments.WalkEnds``, ``cu_seqlens`` the segments): the
+    bounded split's sweep (``chunk_bwd_dh`` with ``warmup``, which searches each walk's
+    end itself), dh0 per segment; there ``ds1_in_dtype`` stores dS1 in q's dtype
+    instead of fp32."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
     layout = layout_for(q, cu_seqlens)
-    warmup = walk_end is not None
+    warmup = ends is not None
     if ds1_in_dtype and not warmup:
-        raise ValueError("ds1_in_dtype: only the bounded split's sweep (walk_end) stores "
+        raise ValueError("ds1_in_dtype: only the bounded split's sweep (ends) stores "
                          "dS1 in q's dtype")
     dS1 = torch.empty(total_chunks(layout, cu_seqlens_cpu), Hv, K, V,
                       dtype=q.dtype if ds1_in_dtype else torch.float32, device=q.device)
@@ -60,7 +61,8 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     has_dht = dht is not None
     # the forward's tiling rule, narrow or default (the sweep has no wide variant)
     tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
-    walks = (walk_end, dht_from) if warmup else (_no_walk(q.device).view(1, 1),) * 2
+    walks = ((ends.seq_end, ends.seq_index, float(ends.log_bound)) if warmup
+             else (_no_walk(q.device), _no_walk(q.device), 0.0))
     statics = ((tiling[0] if tiling else traits.BLOCK_V, *static_flags(True, ds1_in_dtype))
                if warmup else tiling[:1])           # the shipped cache's exact keys
     chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)(
@@ -75,10 +77,11 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     """``Kernels.bwd_warmup``: the backward of the bounded segment split
     (``flash_qla.segments.warmup_bwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
     segments; ``starts`` is the forward walks' rule (``flash_qla.segments.WalkStarts``,
-    searched by the warm-up forward kernel), ``ends`` maps g_cumsum to each (segment,
-    head)'s reverse walk. The chunk states come from the warm-up forward (its own chunks
-    per segment), dS1 from the warm-up reverse sweep (both in q's dtype when
-    ``traits.BWD_STATES_IN_DTYPE``), then ``chunk_bwd_intra`` as in :func:`chunk_bwd`.
+    searched by the warm-up forward kernel), ``ends`` the reverse walks' rule
+    (``flash_qla.segments.WalkEnds``, searched by the warm-up reverse sweep). The chunk
+    states come from the warm-up forward (its own chunks per segment), dS1 from the
+    warm-up reverse sweep (both in q's dtype when ``traits.BWD_STATES_IN_DTYPE``), then
+    ``chunk_bwd_intra`` as in :func:`chunk_bwd`.
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment ``[Nseg, Hv, K, V]``
     (None without an initial state)."""
     from .chunk_bwd_intra import chunk_grads
@@ -92,9 +95,8 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
         initial_state=initial_state, alloc=_output_alloc(cu_seqlens, cu_seqlens_cpu, B * T),
         num_chunks=total_chunks(layout, cu_seqlens_cpu), walks=starts,
         h_in_dtype=traits.BWD_STATES_IN_DTYPE)                          # h [NT,Hv,K,V]
-    walk_end, dht_from = ends(g_cumsum)
-    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, walk_end=walk_end,
-                           dht_from=dht_from, ds1_in_dtype=traits.BWD_STATES_IN_DTYPE,
+    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
+                           ds1_in_dtype=traits.BWD_STATES_IN_DTYPE,
                            **common)
     grads = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, **common)
     return (*grads, dh0 if initial_state is not None else None)

@@ -20,7 +20,7 @@ import tilelang
 import tilelang.language as T
 
 from .tile_ops import LOG2E, zero_rows_past
-from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET
+from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET, WALK_UNROLL
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
@@ -41,19 +41,23 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
         dS1             [NT, Hv, K, V]  fp32 (``dtype`` with ``ds1_in_dtype``) out, state
                                         gradient at each chunk's end
         dh0             [N, Hv, K, V]   fp32 out
-        walk_end, dht_from  [NW, HW]    int32, read only with ``warmup``
+        seq_end, seq_index  [NW]        int32, read only with ``warmup``
+        log_bound       fp32 scalar, read only with ``warmup``
 
-    ``warmup`` (the bounded segment split's backward, ``flash_qla.segments.warmup_ends``):
-    the sequences of ``cu_seqlens`` are segments; CTA (n, h) starts its reverse sweep at
-    token ``walk_end[n, h]`` (>= the segment's end, on its sequence's chunk grid) from
-    ``dht[dht_from[n, h], h]`` (zero where dht_from < 0), so the chunks after the
-    segment are a warm-up that rebuilds dS at its end up to what decayed below the
-    bound; dS1 is stored for the segment's own chunks only, dh0[n] is the state gradient
-    at the segment's start.
+    ``warmup`` (the bounded segment split's backward, ``flash_qla.segments.WalkEnds``):
+    the sequences of ``cu_seqlens`` are segments, segment n of sequence
+    ``seq_index[n]``, which ends at token ``seq_end[n]``. CTA (n, h) sums the chunk
+    totals of g_cumsum over the chunks after its segment (its sequence's chunk grid,
+    fp32, WALK_UNROLL independent loads a step) and starts its reverse sweep at the
+    first chunk boundary where the sum is <= ``log_bound`` (natural log) from a zero
+    dS, or at the sequence's end from ``dht[seq_index[n], h]`` (the rule of
+    ``flash_qla.segments.warmup_ends``). The chunks after the segment are a warm-up
+    that rebuilds dS at its end up to what decayed below the bound; dS1 is stored for
+    the segment's own chunks only, dh0[n] is the state gradient at the segment's start.
     """
     C, BV = CHUNK, block_v
     # N0: dht's rows (sequences; with ``warmup`` N counts segments)
-    Tt, Hk, Hv, N, N0, N1, NT, NW, HW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW, HW")
+    Tt, Hk, Hv, N, N0, N1, NT, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW")
     f32 = "float32"
     ds1_dtype = dtype if ds1_in_dtype else f32
 
@@ -71,8 +75,9 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
         scale: T.float32,
         dS1: T.Tensor((NT, Hv, K, V), ds1_dtype),
         dh0: T.Tensor((N, Hv, K, V), f32),
-        walk_end: T.Tensor((NW, HW), "int32"),
-        dht_from: T.Tensor((NW, HW), "int32"),
+        seq_end: T.Tensor((NW,), "int32"),
+        seq_index: T.Tensor((NW,), "int32"),
+        log_bound: T.float32,
     ):
         with T.Kernel(N * Hv, V // BV, threads=FWD_THREADS) as (bx, by):
             q_shared = T.alloc_shared((C, K), dtype)
@@ -104,14 +109,33 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             if warmup:
                 out_eos = T.alloc_var("int32", init=bos + seq_len)   # the segment's end
-                seq_len = walk_end[n, h] - bos                       # + the warm-up
+                # the walk's end: the first chunk boundary after the segment whose whole
+                # chunks from the segment's end decay by <= log_bound, else eos
+                eos = T.alloc_var("int32", init=seq_end[n])
+                suffix = T.alloc_var("int32", init=T.ceildiv(eos - out_eos, C))  # chunks
+                found = T.alloc_var("int32", init=0)
+                decay = T.alloc_var(f32, init=0.0)
+                totals = T.alloc_local((WALK_UNROLL,), f32)   # a step's chunk totals
+                walk_end = T.alloc_var("int32", init=eos)
+                for step in T.serial(T.ceildiv(suffix, WALK_UNROLL)):
+                    if found == 0:
+                        for u in T.unroll(WALK_UNROLL):    # independent (clamped) loads
+                            totals[u] = g_cumsum[T.min(
+                                out_eos + (step * WALK_UNROLL + u + 1) * C, eos) - 1, h]
+                        for u in T.unroll(WALK_UNROLL):    # chunk m starts m chunks after
+                            if (found == 0) & (step * WALK_UNROLL + u < suffix):
+                                decay = decay + T.min(totals[u], 0.0)
+                                if decay <= log_bound:
+                                    found = 1
+                                    walk_end = T.min(
+                                        out_eos + (step * WALK_UNROLL + u + 1) * C, eos)
+                seq_len = walk_end - bos                             # + the warm-up
             num_chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])   # row of dS1
 
-            if has_dht and warmup:                            # the walk's end state
-                src = T.alloc_var("int32", init=dht_from[n, h])
-                if src >= 0:
-                    T.copy(dht[src, h, :, v0:v0 + BV], ds_frag)
+            if has_dht and warmup:      # the walk's end state: dht at the sequence's end
+                if bos + seq_len == seq_end[n]:
+                    T.copy(dht[seq_index[n], h, :, v0:v0 + BV], ds_frag)
                 else:
                     T.clear(ds_frag)
             elif has_dht:

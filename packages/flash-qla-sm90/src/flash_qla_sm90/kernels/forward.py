@@ -63,7 +63,7 @@ def static_flags(*flags: bool) -> tuple[bool, ...]:
 def _packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[B, T, ...] -> contiguous [B*T, ...], optionally cast."""
     x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    return (x if dtype is None else x.to(dtype)).contiguous()
+    return (x if dtype is None or x.dtype == dtype else x.to(dtype)).contiguous()
 
 
 def _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens: int) -> bool:
@@ -78,9 +78,9 @@ def _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens: int) -> bool:
 def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
     if layout.num_chunks is not None:
         return layout.num_chunks
-    if cu_seqlens_cpu is not None:
-        lens = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
-        return int(((lens + CHUNK - 1) // CHUNK).sum())
+    if cu_seqlens_cpu is not None:             # in Python: a few host tensor ops cost more
+        cu = cu_seqlens_cpu.tolist()
+        return sum(-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:]))
     return int(layout.chunk_offsets[-1].item())   # host sync: h needs its size
 
 
@@ -271,8 +271,8 @@ def _plan_segment_len(bounds: tuple[int, ...], Hv: int, K: int, V: int, sm_count
 @functools.lru_cache(maxsize=8)
 def _no_walk(device: torch.device) -> torch.Tensor:
     """``[1]`` int32: the ``seq_start`` / ``seq_index`` of a ws launch without warm-up,
-    and (viewed ``[1, 1]``) the ``walk_end`` / ``dht_from`` of a dh sweep without it:
-    placeholders their kernels never read."""
+    and the ``seq_end`` / ``seq_index`` of a dh sweep without it: placeholders their
+    kernels never read."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
