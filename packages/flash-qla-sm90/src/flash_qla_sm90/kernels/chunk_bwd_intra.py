@@ -33,9 +33,14 @@ and every [C, C] factor (P, Ag, M, dP * G, dN) are zeroed outside ``j <= i < row
 the gate is clamped to the last valid row (so gam2_C is the sequence's last gam), the
 per-row gate terms are zeroed and only valid rows are stored.
 
-Resources (sm_90a, K = V = 128, 256 threads): about 190 KB of shared memory (S0 and dS1
+Order: every input tile goes out by cp.async at the top (q, k, A first; S0 and dS1
+straight into their operands when they come in q's dtype), P and Ag are formed while
+the rest lands, and independent GEMMs are issued in pairs (``T.wgmma_gemm``) and waited
+for where their results are read.
+
+Resources (sm_90a, K = V = 128, 256 threads): about 216 KB of shared memory (S0 and dS1
 as dtype operands, 32 KB each; TileLang overlaps buffers whose lifetimes are disjoint),
-so one CTA per SM; 170 registers, no spills. The ``<S0, dS1>`` row sums (K of them) are
+so one CTA per SM; 255 registers, no spills. The ``<S0, dS1>`` row sums (K of them) are
 folded onto the C rows of the final reduction, which needs K = 2 C.
 """
 
