@@ -165,12 +165,8 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                 else:
                     T.copy(ds_frag, dS1[first_chunk + c, h, :, v0:v0 + BV])
                 T.copy(ds_frag, ds_shared)
-                T.wgmma_gemm(q_shared, k_shared, qk_frag, transpose_B=True,
-                             clear_accum=True)                                   # Q K^T
-                T.wgmma_gemm(k_shared, ds_shared, kds_frag, clear_accum=True)     # K dS1
-                T.wait_wgmma(0)
-                for i, j in T.Parallel(K, BV):
-                    ds_frag[i, j] = ds_frag[i, j] * T.exp2(gam_shared[C - 1])
+                T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
+                T.gemm(k_shared, ds_shared, kds_frag, clear_accum=True)                # K dS1
                 # Rows past the end may hold NaN/Inf (padding tokens), which the masks below
                 # would turn into 0 * NaN: zero q and k rows now (their GEMMs above are
                 # done), dO rows after E dO is built, and select dU's rows.
@@ -187,10 +183,7 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                     edo_shared[i, j] = T.if_then_else(
                         i < rows, do_shared[i, j] * T.exp2(gam_shared[i]) * scale, 0.0)
                 zero_rows_past(do_shared, rows)
-                T.wgmma_gemm(p_shared, do_shared, du_frag, transpose_A=True,
-                             clear_accum=True)                                   # P^T dO
-                T.wgmma_gemm(q_shared, edo_shared, ds_frag, transpose_A=True)  # + Q^T E dO
-                T.wait_wgmma(1)                                                  # P^T dO
+                T.gemm(p_shared, do_shared, du_frag, transpose_A=True, clear_accum=True)  # P^T dO
                 for i, j in T.Parallel(C, BV):
                     du_shared[i, j] = T.if_then_else(i < rows, du_frag[i, j] * scale + T.exp2(
                         gam_shared[C - 1] - gam_shared[i]) * kds_frag[i, j], 0.0)
@@ -198,6 +191,9 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
                 for i, j in T.Parallel(C, BV):
                     edx_shared[i, j] = -T.exp2(gam_shared[i]) * dx_frag[i, j]
 
+                for i, j in T.Parallel(K, BV):
+                    ds_frag[i, j] = ds_frag[i, j] * T.exp2(gam_shared[C - 1])
+                T.gemm(q_shared, edo_shared, ds_frag, transpose_A=True)              # + Q^T E dO
                 T.gemm(k_shared, edx_shared, ds_frag, transpose_A=True)              # - K^T E dX
 
             T.copy(ds_frag, dh0[n, h, :, v0:v0 + BV])
