@@ -167,6 +167,7 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{args.set if args.device == 'cuda' else 'cpu'}-{tag}")
     on_gpu = args.device == "cuda" and not args.host       # kernels by device time
+    host_walls = args.host and args.device == "cuda"       # measured on a GPU only
     unit, units = ("kernel", "kernels") if on_gpu else ("aten op (self CPU time)", "aten ops")
     # CSV: one row per kernel
     with open(stem + ".csv", "w", newline="") as f:
@@ -209,11 +210,11 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
         head += ["FLA fwd us", "vs FLA fwd"]
     if on_gpu:
         head += ["floor us", "ours % of floor"]
-    if args.host:
+    if host_walls:
         head += ["ours fwd host wall us", "syncs (first)"]
     if not args.skip_bwd:
         head += ["ours bwd us"] + (["FLA bwd us", "vs FLA bwd"] if peer else [])
-        if args.host:
+        if host_walls:
             head += ["ours bwd host wall us", "bwd syncs (first)"]
     rows = []
     for key in shapes:
@@ -240,11 +241,11 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
                 f"{fl['floor_ms'] * 1e3:.1f} ({fl['bound']})",
                 f"{fl['floor_ms'] * 1e3 / t:.0%}" if t else "",
             ]
-        if args.host:
+        if host_walls:
             row += host_cells(o.get("fwd_host"))
         if not args.skip_bwd:
             row += [cell(o, "bwd")] + ([cell(f_, "bwd"), ratio("bwd")] if peer else [])
-            if args.host:
+            if host_walls:
                 row += host_cells(o.get("bwd_host"))
         rows.append(row)
     summary = C.format_table(rows, head)

@@ -92,8 +92,10 @@ def _backward_call(impl, a: dict, inp: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="2/8@1x32768,2/8@1x8192,16/16@1x32768,16/16@4x8192")
-    ap.add_argument("--profile-top", type=int, default=25)
+    ap.add_argument("--shapes", default="2/8@1x32768,2/8@1x8192,16/16@1x32768,16/16@4x8192",
+                    help="comma-separated HK/HV@LAYOUT items (the benchmark's shape keys)")
+    ap.add_argument("--profile-top", type=int, default=25,
+                    help="Python functions listed per shape, by own time (cProfile)")
     ap.add_argument("--impl", choices=["ours", "flashqla"], default="ours",
                     help="flashqla: FlashQLA 0.1.3 from --flashqla-path (wall and GPU only)")
     ap.add_argument("--flashqla-path")
@@ -101,7 +103,11 @@ def main() -> None:
                     help="the backward of ours instead of the forward (wall, GPU, cProfile)")
     args = ap.parse_args()
     if args.backward and args.impl != "ours":
-        ap.error("--backward: ours only")
+        ap.error(f"--backward supports --impl ours only; got --impl {args.impl}")
+    if not torch.cuda.is_available():
+        print("error: tools/host_cost.py times CUDA launches and needs a CUDA GPU (none is "
+              "visible)", file=sys.stderr)
+        sys.exit(2)
     ctx = {"flashqla_path": args.flashqla_path}
     impl = C.IMPLS[args.impl]()
     impl.load(ctx)
