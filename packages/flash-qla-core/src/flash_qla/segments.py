@@ -344,15 +344,29 @@ def warmup_starts(g_cumsum: Tensor, plan: _Plan, bound: float) -> tuple[Tensor, 
 
 
 @dataclass(frozen=True)
-class WalkStarts:
-    """The ``starts`` of ``Kernels.fwd_warmup`` / ``bwd_warmup``: the walk rule of one
-    plan and bound. Called with g_cumsum, it computes the walks on the device
-    (:func:`warmup_starts`, about a dozen small launches: the reference, and what
-    backends without an in-kernel search use); a kernel can instead search them itself
-    from ``seq_start`` / ``seq_index`` (``[Nseg]`` int32: each segment's sequence's first
-    token and index) and ``log_bound`` (natural log), the same rule."""
+class _WalkRule:
+    """A walk rule of the bounded split: one plan and bound. Called with g_cumsum, a
+    rule computes its walks on the device (the reference, and what backends without an
+    in-kernel search use); a kernel can instead search them itself from
+    ``kernel_args``: ``(seq_token, seq_index, log_bound)``, each segment's sequence's
+    boundary token and index (``[Nseg]`` int32) and the bound's natural log."""
     plan: _Plan
     bound: float
+
+    @property
+    def seq_index(self) -> Tensor:
+        return self.plan.seg_seq
+
+    @property
+    def log_bound(self) -> float:
+        return math.log(self.bound)
+
+
+class WalkStarts(_WalkRule):
+    """The ``starts`` of ``Kernels.fwd_warmup`` / ``bwd_warmup``: where each (segment,
+    head) starts its recurrence (:func:`warmup_starts`, about a dozen small launches);
+    its kernel arguments are ``seq_start`` (each segment's sequence's first token),
+    ``seq_index`` and ``log_bound``."""
 
     def __call__(self, g_cumsum: Tensor) -> tuple[Tensor, Tensor]:
         return warmup_starts(g_cumsum, self.plan, self.bound)
@@ -362,24 +376,15 @@ class WalkStarts:
         return self.plan.seg_seq_start
 
     @property
-    def seq_index(self) -> Tensor:
-        return self.plan.seg_seq
-
-    @property
-    def log_bound(self) -> float:
-        return math.log(self.bound)
+    def kernel_args(self) -> tuple[Tensor, Tensor, float]:
+        return self.seq_start, self.seq_index, self.log_bound
 
 
-@dataclass(frozen=True)
-class WalkEnds:
-    """The ``ends`` of ``Kernels.bwd_warmup``: the reverse-walk rule of one plan and
-    bound, the mirror of :class:`WalkStarts`. Called with g_cumsum, it computes the
-    walk ends on the device (:func:`warmup_ends`, about twenty small launches: the
-    reference); a kernel can instead search them itself from ``seq_end`` / ``seq_index``
-    (``[Nseg]`` int32: each segment's sequence's end token and index) and ``log_bound``
-    (natural log), the same rule."""
-    plan: _Plan
-    bound: float
+class WalkEnds(_WalkRule):
+    """The ``ends`` of ``Kernels.bwd_warmup``, the mirror of :class:`WalkStarts`: where
+    each (segment, head)'s reverse sweep starts (:func:`warmup_ends`, about twenty small
+    launches); its kernel arguments are ``seq_end`` (each segment's sequence's end
+    token), ``seq_index`` and ``log_bound``."""
 
     def __call__(self, g_cumsum: Tensor) -> tuple[Tensor, Tensor]:
         return warmup_ends(g_cumsum, self.plan, self.bound)
@@ -389,12 +394,8 @@ class WalkEnds:
         return self.plan.seg_seq_end
 
     @property
-    def seq_index(self) -> Tensor:
-        return self.plan.seg_seq
-
-    @property
-    def log_bound(self) -> float:
-        return math.log(self.bound)
+    def kernel_args(self) -> tuple[Tensor, Tensor, float]:
+        return self.seq_end, self.seq_index, self.log_bound
 
 
 def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,

@@ -20,10 +20,10 @@ from .chunk_bwd_dh import chunk_bwd_dh_kernel
 from .forward import (
     _DTYPE_NAMES,
     _fused,
-    _no_walk,
     _output_alloc,
     _packed,
     _sm_count,
+    _walk_args,
     fused_fwd,
     fused_tiling,
     layout_for,
@@ -61,8 +61,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     has_dht = dht is not None
     # the forward's tiling rule, narrow or default (the sweep has no wide variant)
     tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
-    walks = ((ends.seq_end, ends.seq_index, float(ends.log_bound)) if warmup
-             else (_no_walk(q.device), _no_walk(q.device), 0.0))
+    walks = _walk_args(ends, q.device)
     statics = ((tiling[0] if tiling else traits.BLOCK_V, *static_flags(True, ds1_in_dtype))
                if warmup else tiling[:1])           # the shipped cache's exact keys
     chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)(

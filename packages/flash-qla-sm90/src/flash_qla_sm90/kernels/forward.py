@@ -284,12 +284,12 @@ def _no_h(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
 
 
 def _walk_args(walks, device: torch.device) -> tuple:
-    """The ws kernel's last three arguments: ``(seq_start, seq_index, log_bound)`` of
-    the bounded split's walk rule (``flash_qla.segments.WalkStarts``), or unread
-    placeholders."""
+    """The last three arguments of a kernel that searches the bounded split's walks
+    (``chunk_fwd_ws`` / ``chunk_bwd_dh`` with ``warmup``): the rule's ``kernel_args``
+    (``flash_qla.segments.WalkStarts`` / ``WalkEnds``), or unread placeholders."""
     if walks is None:
         return _no_walk(device), _no_walk(device), 0.0
-    return walks.seq_start, walks.seq_index, float(walks.log_bound)
+    return walks.kernel_args
 
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
