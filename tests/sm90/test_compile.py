@@ -142,6 +142,40 @@ def _ptxas_report(src: str, tmp_path) -> str:
     return out.stdout + out.stderr
 
 
+def _variant(name: str) -> tuple:
+    """``(builder, args)`` of a kernel variant the tests below compile, by name (bf16,
+    K = V = 128; ``_h``: stores h)."""
+    from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
+    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
+    from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
+    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
+    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
+    from flash_qla_sm90.kernels.chunk_prepare import (
+        chunk_prepare_blocked_kernel,
+        chunk_prepare_kernel,
+    )
+
+    dims = ("bfloat16", 128, 128)
+    return {
+        "prepare": (chunk_prepare_kernel, ("bfloat16", 128)),
+        "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
+        "fwd": (chunk_fwd_kernel, (*dims, True, True)),
+        "fwd_t": (chunk_fwd_t_kernel, (*dims, True, False)),
+        "fwd_t_h": (chunk_fwd_t_kernel, (*dims, True, True)),
+        "fwd_ws": (chunk_fwd_ws_kernel, (*dims, False, False)),
+        "fwd_ws_h": (chunk_fwd_ws_kernel, (*dims, True, True)),
+        "fwd_ws_warmup": (chunk_fwd_ws_kernel, (*dims, True, False, True)),
+        "fwd_ws_warmup_h": (chunk_fwd_ws_kernel, (*dims, True, True, True)),
+        "fwd_ws_warmup_h_dtype": (chunk_fwd_ws_kernel, (*dims, True, True, True, True)),
+        "bwd_dh": (chunk_bwd_dh_kernel, (*dims, True)),
+        "bwd_dh_warmup": (chunk_bwd_dh_kernel, (*dims, True, 64, True)),
+        "bwd_dh_warmup_dtype": (chunk_bwd_dh_kernel, (*dims, True, 64, True, True)),
+        "bwd_intra": (chunk_bwd_intra_kernel, dims),
+        "bwd_intra_dtype": (chunk_bwd_intra_kernel, (*dims, True)),
+        "bwd_intra_states_dtype": (chunk_bwd_intra_kernel, (*dims, True, True)),
+    }[name]
+
+
 @pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_dh",
                                     "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype",
                                     "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
@@ -153,27 +187,7 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     Compute on the H200: 30% of its state warpgroups' samples at those waits), but
     lifting it with setmaxnreg 208 / 88 measured 2.4% slower, the aux side being the
     bound (docs/perf-notes.md, v4), so it is not listed here."""
-    from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
-    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
-    from flash_qla_sm90.kernels.chunk_prepare import chunk_prepare_blocked_kernel
-
-    builder, args = {
-        "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, False)),
-        "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, False, False)),
-        "fwd_ws_warmup": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, False, True)),
-        "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
-        "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
-        "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
-        "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
-        "bwd_intra_dtype": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128, True)),
-        "fwd_ws_warmup_h_dtype": (chunk_fwd_ws_kernel,
-                                  ("bfloat16", 128, 128, True, True, True, True)),
-        "bwd_dh_warmup_dtype": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True, True)),
-        "bwd_intra_states_dtype": (chunk_bwd_intra_kernel,
-                                   ("bfloat16", 128, 128, True, True)),
-    }[kernel]
+    builder, args = _variant(kernel)
     report = _ptxas_report(_source(builder, *args), tmp_path)
     assert "Used" in report, report[-2000:]
     assert "C7512" not in report and "serialized" not in report
@@ -190,7 +204,7 @@ def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
 @pytest.mark.parametrize("qk_grads_in_dtype", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_intra_kernel_compiles_to_wgmma(dtype, qk_grads_in_dtype):
-    # one chunk per CTA, no loop to pipeline: plain guarded vector loads, WGMMA GEMMs
+    # one chunk per CTA, no loop to pipeline: guarded cp.async tile loads, WGMMA GEMMs
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
 
     src = _source(chunk_bwd_intra_kernel, dtype, 128, 128,
@@ -224,7 +238,7 @@ def _global_accesses(src: str):
     return found
 
 
-@pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_ws",
+@pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t_h", "fwd_ws_h",
                                     "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh",
                                     "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype",
                                     "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
@@ -232,34 +246,7 @@ def _global_accesses(src: str):
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
-    from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
-    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
-    from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
-    from flash_qla_sm90.kernels.chunk_prepare import (
-        chunk_prepare_blocked_kernel,
-        chunk_prepare_kernel,
-    )
-
-    builder, args = {
-        "prepare": (chunk_prepare_kernel, ("bfloat16", 128)),
-        "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
-        "fwd": (chunk_fwd_kernel, ("bfloat16", 128, 128, True, True)),
-        "fwd_t": (chunk_fwd_t_kernel, ("bfloat16", 128, 128, True, True)),
-        "fwd_ws": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, True)),
-        "fwd_ws_warmup": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, False, True)),
-        "fwd_ws_warmup_h": (chunk_fwd_ws_kernel, ("bfloat16", 128, 128, True, True, True)),
-        "bwd_dh": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True)),
-        "bwd_dh_warmup": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True)),
-        "bwd_intra": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128)),
-        "bwd_intra_dtype": (chunk_bwd_intra_kernel, ("bfloat16", 128, 128, True)),
-        "fwd_ws_warmup_h_dtype": (chunk_fwd_ws_kernel,
-                                  ("bfloat16", 128, 128, True, True, True, True)),
-        "bwd_dh_warmup_dtype": (chunk_bwd_dh_kernel, ("bfloat16", 128, 128, True, 64, True, True)),
-        "bwd_intra_states_dtype": (chunk_bwd_intra_kernel,
-                                   ("bfloat16", 128, 128, True, True)),
-    }[kernel]
+    builder, args = _variant(kernel)
     accesses = [(p, e) for p, e in _global_accesses(_source(builder, *args)) if p not in _SMALL]
     assert accesses, "no global access found: the pattern no longer matches the codegen"
     narrow = [(p, e[:100]) for p, e in accesses if "int64_t" not in e]
