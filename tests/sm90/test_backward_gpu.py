@@ -123,11 +123,16 @@ def test_nan_padding_never_reaches_valid_gradients(case):
         assert torch.equal(bad_rows, torch.zeros_like(bad_rows)), name
 
 
+@pytest.mark.parametrize("aux_warpgroup", [True, False], ids=["dh_ws", "dh"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12], BWD_CASES[1]],
                          ids=lambda c: c.id)
-def test_dh_kernel_matches_torch_sweep(case):
-    """The chunk_bwd_dh kernel against the batched PyTorch sweep (traits.BWD_DH_KERNEL)."""
+def test_dh_kernel_matches_torch_sweep(case, aux_warpgroup, monkeypatch):
+    """Each reverse-sweep kernel (``chunk_bwd_dh_ws``, ``chunk_bwd_dh``: traits.
+    BWD_DH_AUX_WARPGROUP) against the batched PyTorch sweep (traits.BWD_DH_KERNEL)."""
+    from flash_qla_sm90.kernels import traits
     from flash_qla_sm90.kernels.backward import chunk_bwd
+
+    monkeypatch.setattr(traits, "BWD_DH_AUX_WARPGROUP", aux_warpgroup)
 
     inp = make_inputs(case, seed=6)
     g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)

@@ -70,13 +70,15 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     names = {(builder.__name__ if hasattr(builder, "__name__") else str(builder), args)
              for builder, args in variants()}
     fwd_tilings = 1 + traits.FWD_NARROW_TILING + traits.FWD_WIDE_TILING + traits.FWD_TRANSPOSED
-    dh_tilings = 1 + traits.FWD_NARROW_TILING
     warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # the bounded split
     # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0
-    # x store_h (+ x has_h0 with h in dtype), dh x has_dht x tiling, the warm-up dh x
-    # has_dht x 2 tilings x dS1 dtype, intra x dq / dk dtype x state dtype
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 6 * warmup
-                                               + 2 * dh_tilings + 8 * warmup + 4)
+    # x store_h, the backward's states-only ws x has_h0 x (warm-up x h dtype, unsplit),
+    # the dh sweep (below), intra x dq / dk dtype x state dtype
+    if traits.BWD_DH_AUX_WARPGROUP:          # chunk_bwd_dh_ws x has_dht x 3 flag sets
+        dh = 6
+    else:                                    # chunk_bwd_dh x has_dht x tiling (+ warm-up
+        dh = 2 * (1 + traits.FWD_NARROW_TILING) + 8 * warmup   # x 2 tilings x dS1 dtype)
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 10 * warmup + dh + 4)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -93,9 +95,9 @@ def test_experimental_variants_add_the_kernels_that_are_off():
                 if b is chunk_fwd_t_kernel or b is chunk_fwd_ws_kernel}
 
     both = transposed(True)
-    # (kernel x has_h0 x store_h, + ws's warm-up x has_h0 x store_h, + its h in dtype x
-    # has_h0) x dtype
-    assert len(both) == (2 * 4 + 4 + 2) * len(traits.DTYPES)
+    # (kernel x has_h0 x store_h, + ws's warm-up x has_h0 x store_h, + its states-only
+    # variants x has_h0: warm-up x h dtype, unsplit) x dtype
+    assert len(both) == (2 * 4 + 4 + 6) * len(traits.DTYPES)
     assert transposed(False) <= both
     builders = [b for b, _ in variants(True)]
     assert all(b in builders for b in PREPARE_KERNELS.values())      # both prepare kernels
@@ -124,6 +126,29 @@ def test_aux_warpgroup_forward_never_serialises_its_roles():
     assert "cp_async" in src                            # the aux's tiles load asynchronously
 
 
+def test_states_only_forward_skips_o():
+    """chunk_fwd_ws with ``states_only`` (the backward's recompute of h): three state
+    WGMMAs per chunk, no Q K^T on the aux warpgroup, and o never written."""
+    builder, args = _variant("fwd_ws_states")
+    src = _source(builder, *args)
+    assert src.count("tl::wgmma_rs<") == 3 and "wgmma_ss<" not in src
+    assert not re.search(r"\bo\[", src)
+
+
+def test_aux_warpgroup_sweep_keeps_ds_in_registers(tmp_path):
+    """chunk_bwd_dh_ws: the dS chain is register-A WGMMAs (dS1^T K^T, dU^T Ag, (E dX)^T
+    K), the roles meet only on the slot mbarriers, the tiles load by cp.async, and ptxas
+    spills nothing at its setmaxnreg budgets (the forward's 208 / 88 spilled here)."""
+    builder, args = _variant("bwd_dh_ws_warmup")
+    src = _source(builder, *args)
+    assert src.count("tl::wgmma_rs<") >= 3
+    assert src.count("__syncthreads()") == 1
+    assert src.count("].arrive()") == 2
+    assert "cp_async" in src
+    assert "warpgroup_reg_alloc<192>" in src and "warpgroup_reg_dealloc<120>" in src
+    assert re.search(r"\b0 bytes spill stores", _ptxas_report(src, tmp_path))
+
+
 def _ptxas_report(src: str, tmp_path) -> str:
     """ptxas's verbose report for a generated kernel (nvcc -cubin for sm_90a with the
     include paths TileLang compiles with)."""
@@ -146,6 +171,7 @@ def _variant(name: str) -> tuple:
     """``(builder, args)`` of a kernel variant the tests below compile, by name (bf16,
     K = V = 128; ``_h``: stores h)."""
     from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
+    from flash_qla_sm90.kernels.chunk_bwd_dh_ws import chunk_bwd_dh_ws_kernel
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
     from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
     from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
@@ -167,9 +193,15 @@ def _variant(name: str) -> tuple:
         "fwd_ws_warmup": (chunk_fwd_ws_kernel, (*dims, True, False, True)),
         "fwd_ws_warmup_h": (chunk_fwd_ws_kernel, (*dims, True, True, True)),
         "fwd_ws_warmup_h_dtype": (chunk_fwd_ws_kernel, (*dims, True, True, True, True)),
+        "fwd_ws_states": (chunk_fwd_ws_kernel, (*dims, True, True, False, False, True)),
+        "fwd_ws_warmup_states_dtype": (chunk_fwd_ws_kernel,
+                                       (*dims, True, True, True, True, True)),
         "bwd_dh": (chunk_bwd_dh_kernel, (*dims, True)),
         "bwd_dh_warmup": (chunk_bwd_dh_kernel, (*dims, True, 64, True)),
         "bwd_dh_warmup_dtype": (chunk_bwd_dh_kernel, (*dims, True, 64, True, True)),
+        "bwd_dh_ws": (chunk_bwd_dh_ws_kernel, (*dims, True)),
+        "bwd_dh_ws_warmup": (chunk_bwd_dh_ws_kernel, (*dims, True, True)),
+        "bwd_dh_ws_warmup_dtype": (chunk_bwd_dh_ws_kernel, (*dims, True, True, True)),
         "bwd_intra": (chunk_bwd_intra_kernel, dims),
         "bwd_intra_dtype": (chunk_bwd_intra_kernel, (*dims, True)),
         "bwd_intra_states_dtype": (chunk_bwd_intra_kernel, (*dims, True, True)),
@@ -179,7 +211,9 @@ def _variant(name: str) -> tuple:
 @pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_dh",
                                     "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype",
                                     "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
-                                    "bwd_intra_states_dtype"])
+                                    "bwd_intra_states_dtype", "bwd_dh_ws",
+                                    "bwd_dh_ws_warmup_dtype",
+                                    "fwd_ws_states", "fwd_ws_warmup_states_dtype"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
     ("wgmma.mma_async instructions are serialized"), which makes every 16-deep step wait
@@ -242,7 +276,9 @@ def _global_accesses(src: str):
                                     "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh",
                                     "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype",
                                     "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
-                                    "bwd_intra_states_dtype"])
+                                    "bwd_intra_states_dtype", "bwd_dh_ws",
+                                    "bwd_dh_ws_warmup", "bwd_dh_ws_warmup_dtype",
+                                    "fwd_ws_states", "fwd_ws_warmup_states_dtype"])
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""

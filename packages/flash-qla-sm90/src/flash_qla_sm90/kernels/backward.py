@@ -2,8 +2,8 @@
 
 1. ``chunk_fwd`` recomputes the chunk-start states h from the saved g_cumsum and A;
 2. the state gradient at every chunk end, dS1, comes from the reverse sweep: the
-   ``chunk_bwd_dh`` kernel when ``traits.BWD_DH_KERNEL`` is on, else the core's batched
-   PyTorch sweep;
+   ``chunk_bwd_dh_ws`` kernel (``chunk_bwd_dh`` with ``traits.BWD_DH_AUX_WARPGROUP``
+   off) when ``traits.BWD_DH_KERNEL`` is on, else the core's batched PyTorch sweep;
 3. every per-chunk gradient runs chunk-parallel: the ``chunk_bwd_intra`` kernel when
    ``traits.BWD_INTRA_KERNEL`` is on (with the dh kernel), else PyTorch
    (``flash_qla.chunk_parallel``).
@@ -17,14 +17,13 @@ from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
 
 from . import traits
 from .chunk_bwd_dh import chunk_bwd_dh_kernel
+from .chunk_bwd_dh_ws import chunk_bwd_dh_ws_kernel
 from .forward import (
     _DTYPE_NAMES,
     _fused,
-    _output_alloc,
     _packed,
     _sm_count,
     _walk_args,
-    fused_fwd,
     fused_tiling,
     layout_for,
     static_flags,
@@ -35,20 +34,28 @@ from .forward import (
 def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
                  cu_seqlens_cpu):
     """Chunk-start states h ``[NT, Hv, K, V]`` fp32 from the forward's saved g_cumsum and
-    A (the fused kernel alone; o is recomputed and dropped)."""
-    h = fused_fwd(q, k, v, g_cumsum, beta, A, scale=scale, initial_state=initial_state,
-                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                  output_final_state=False, output_h=True)[1]
-    return h.reshape(-1, *h.shape[2:])
+    A (the fused kernel alone; ``chunk_fwd_ws`` skips o, the others compute and drop
+    it)."""
+    layout = layout_for(q, cu_seqlens)
+    return _fused(_packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
+                  _packed(beta, torch.float32), _packed(A), layout, scale=scale,
+                  initial_state=initial_state, alloc=torch.empty,
+                  num_chunks=total_chunks(layout, cu_seqlens_cpu), states_only=True)[2]
+
+
+def dh_aux_warpgroup(K: int, V: int) -> bool:
+    """Whether the reverse sweep runs ``chunk_bwd_dh_ws`` (``traits.BWD_DH_AUX_WARPGROUP``,
+    K = V = 128) rather than ``chunk_bwd_dh``."""
+    return traits.BWD_DH_AUX_WARPGROUP and (K, V) == (128, 128)
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu,
                 ends=None, ds1_in_dtype: bool = False):
     """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32.
     With ``ends`` (``flash_qla.segments.WalkEnds``, ``cu_seqlens`` the segments): the
-    bounded split's sweep (``chunk_bwd_dh`` with ``warmup``, which searches each walk's
+    bounded split's sweep (the sweep kernel with ``warmup``, which searches each walk's
     end itself), dh0 per segment; there ``ds1_in_dtype`` stores dS1 in q's dtype
-    instead of fp32."""
+    instead of fp32. The kernel: :func:`dh_aux_warpgroup`."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
     layout = layout_for(q, cu_seqlens)
     warmup = ends is not None
@@ -59,15 +66,18 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
                       dtype=q.dtype if ds1_in_dtype else torch.float32, device=q.device)
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
-    # the forward's tiling rule, narrow or default (the sweep has no wide variant)
-    tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
     walks = _walk_args(ends, q.device)
-    statics = ((tiling[0] if tiling else traits.BLOCK_V, *static_flags(True, ds1_in_dtype))
-               if warmup else tiling[:1])           # the shipped cache's exact keys
-    chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)(
-        _packed(q), _packed(k), _packed(do), _packed(g_cumsum, torch.float32),
-        _packed(beta, torch.float32), _packed(A), layout.cu_seqlens, layout.chunk_offsets,
-        dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0, *walks)
+    flags = static_flags(warmup, ds1_in_dtype)          # the shipped cache's exact keys
+    if dh_aux_warpgroup(K, V):
+        kernel = chunk_bwd_dh_ws_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *flags)
+    else:
+        # the forward's tiling rule, narrow or default (the sweep has no wide variant)
+        tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
+        statics = (tiling[0] if tiling else traits.BLOCK_V, *flags) if warmup else tiling[:1]
+        kernel = chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)
+    kernel(_packed(q), _packed(k), _packed(do), _packed(g_cumsum, torch.float32),
+           _packed(beta, torch.float32), _packed(A), layout.cu_seqlens, layout.chunk_offsets,
+           dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0, *walks)
     return dS1, dh0
 
 
@@ -85,15 +95,14 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     (None without an initial state)."""
     from .chunk_bwd_intra import chunk_grads
 
-    B, T = q.shape[:2]
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     layout = layout_for(q, cu_seqlens)
     _, _, h = _fused(
         _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
         _packed(beta, torch.float32), _packed(A), layout, scale=scale,
-        initial_state=initial_state, alloc=_output_alloc(cu_seqlens, cu_seqlens_cpu, B * T),
+        initial_state=initial_state, alloc=torch.empty,     # o: not computed
         num_chunks=total_chunks(layout, cu_seqlens_cpu), walks=starts,
-        h_in_dtype=traits.BWD_STATES_IN_DTYPE)                          # h [NT,Hv,K,V]
+        h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)        # h [NT,Hv,K,V]
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
                            ds1_in_dtype=traits.BWD_STATES_IN_DTYPE,
                            **common)

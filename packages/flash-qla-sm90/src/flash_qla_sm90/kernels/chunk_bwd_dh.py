@@ -19,8 +19,8 @@ zeroed in shared memory, dU's selected to 0, so NaN in padding never meets a GEM
 import tilelang
 import tilelang.language as T
 
-from .tile_ops import LOG2E, zero_rows_past
-from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET, WALK_UNROLL
+from .tile_ops import LOG2E, search_walk_end, zero_rows_past
+from .traits import BLOCK_V, CHUNK, FWD_STAGES, FWD_THREADS, PASS_CONFIGS, TARGET
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
@@ -47,8 +47,8 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
     ``warmup`` (the bounded segment split's backward, ``flash_qla.segments.WalkEnds``):
     the sequences of ``cu_seqlens`` are segments, segment n of sequence
     ``seq_index[n]``, which ends at token ``seq_end[n]``. CTA (n, h) sums the chunk
-    totals of g_cumsum over the chunks after its segment (its sequence's chunk grid,
-    fp32, WALK_UNROLL independent loads a step) and starts its reverse sweep at the
+    totals of g_cumsum over the chunks after its segment (``tile_ops.search_walk_end``)
+    and starts its reverse sweep at the
     first chunk boundary where the sum is <= ``log_bound`` (natural log) from a zero
     dS, or at the sequence's end from ``dht[seq_index[n], h]`` (the rule of
     ``flash_qla.segments.warmup_ends``). The chunks after the segment are a warm-up
@@ -109,27 +109,8 @@ def chunk_bwd_dh_kernel(dtype: str, K: int, V: int, has_dht: bool, block_v: int 
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             if warmup:
                 out_eos = T.alloc_var("int32", init=bos + seq_len)   # the segment's end
-                # the walk's end: the first chunk boundary after the segment whose whole
-                # chunks from the segment's end decay by <= log_bound, else eos
-                eos = T.alloc_var("int32", init=seq_end[n])
-                suffix = T.alloc_var("int32", init=T.ceildiv(eos - out_eos, C))  # chunks
-                found = T.alloc_var("int32", init=0)
-                decay = T.alloc_var(f32, init=0.0)
-                totals = T.alloc_local((WALK_UNROLL,), f32)   # a step's chunk totals
-                walk_end = T.alloc_var("int32", init=eos)
-                for step in T.serial(T.ceildiv(suffix, WALK_UNROLL)):
-                    if found == 0:
-                        for u in T.unroll(WALK_UNROLL):    # independent (clamped) loads
-                            totals[u] = g_cumsum[T.min(
-                                out_eos + (step * WALK_UNROLL + u + 1) * C, eos) - 1, h]
-                        for u in T.unroll(WALK_UNROLL):    # chunk m starts m chunks after
-                            if (found == 0) & (step * WALK_UNROLL + u < suffix):
-                                decay = decay + T.min(totals[u], 0.0)
-                                if decay <= log_bound:
-                                    found = 1
-                                    walk_end = T.min(
-                                        out_eos + (step * WALK_UNROLL + u + 1) * C, eos)
-                seq_len = walk_end - bos                             # + the warm-up
+                eos = T.alloc_var("int32", init=seq_end[n])          # the sequence's end
+                seq_len = search_walk_end(g_cumsum, h, out_eos, eos, log_bound) - bos
             num_chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])   # row of dS1
 

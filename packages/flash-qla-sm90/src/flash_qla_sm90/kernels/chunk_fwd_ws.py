@@ -63,7 +63,8 @@ AUX_BARRIER = 1
 @tilelang.jit(target=TARGET, pass_configs={
     **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
-                        warmup: bool = False, h_in_dtype: bool = False):
+                        warmup: bool = False, h_in_dtype: bool = False,
+                        states_only: bool = False):
     """Build the forward; arguments and outputs as ``chunk_fwd_kernel`` (state layouts
     [.., K, V]; the kernel transposes on load and store), plus ``seq_start`` and
     ``seq_index`` (``[NW]`` int32) and ``log_bound``, read only when ``warmup``.
@@ -85,21 +86,29 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
 
     ``h_in_dtype``: h is stored in ``dtype`` instead of fp32 (the bounded backward's
     chunk states: half the bytes; its per-chunk gradient kernel rounds them to ``dtype``
-    GEMM operands anyway)."""
+    GEMM operands anyway).
+
+    ``states_only`` (the backward's recompute of h): o is neither computed nor stored
+    (``o`` is not touched): no q tiles, no Q K^T or P on the aux warpgroup, and the
+    state chain is three WGMMAs per chunk ((K S0)^T, U^T, (U^T D) K) instead of five."""
     C = CHUNK
     # N0: initial_state's rows (sequences; with ``warmup`` N counts segments)
     Tt, Hk, Hv, N, N0, N1, NTh, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW")
     f32 = "float32"
     h_dtype = dtype if h_in_dtype else f32
 
+    #: cp.async commit groups per chunk (q's tiles only when o is computed)
+    GROUPS = 3 if states_only else 4
+
     @T.macro
     def load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, t0, hk, h, c):
         """cp.async the 64-row tiles of chunk ``c`` (first token ``t0``) into slot
-        c % SLOTS once the state warpgroups have released it (chunk c - SLOTS): four
+        c % SLOTS once the state warpgroups have released it (chunk c - SLOTS): GROUPS
         commit groups, waited for with ``T.ptx_wait_group``."""
         s = c % SLOTS
         T.barrier_wait(empty[s], (c // SLOTS) % 2 ^ 1)
-        T.async_copy(q[t0:t0 + C, hk, :], q_s[s, :, :])
+        if not states_only:
+            T.async_copy(q[t0:t0 + C, hk, :], q_s[s, :, :])
         T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
         T.async_copy(v[t0:t0 + C, h, :], v_s[s, :, :])
         T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
@@ -209,14 +218,15 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     if c + 1 < chunks:
                         load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, a0 + C, hk, h,
                                    c + 1)
-                        T.ptx_wait_group(4)                   # chunk c's four groups done
+                        T.ptx_wait_group(GROUPS)              # chunk c's groups done
                     else:
                         T.ptx_wait_group(0)
                     # rows past the end (next sequence, padding: maybe NaN) zeroed
                     if a_rows < C:
                         for i, j in T.Parallel(C, K):
                             if i >= a_rows:
-                                q_s[sa, i, j] = T.cast(0, dtype)
+                                if not states_only:
+                                    q_s[sa, i, j] = T.cast(0, dtype)
                                 k_s[sa, i, j] = T.cast(0, dtype)
                                 v_s[sa, i, j] = T.cast(0, dtype)
                     # gates (fetched one chunk ahead; rows past the end repeat the last
@@ -230,8 +240,9 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                                 beta_next)
                     T.fence_proxy_async()
                     T.sync_threads(AUX_BARRIER, 128)
-                    T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,
-                           clear_accum=True)                                      # Q K^T
+                    if not states_only:
+                        T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,
+                               clear_accum=True)                                  # Q K^T
                     # two passes: the gate factors into registers first (only shared
                     # loads, so nvcc keeps each thread's few distinct gam / beta values
                     # in registers instead of reloading them after every store), then
@@ -240,10 +251,12 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                         live = (i >= j) & (i < a_rows)
                         e = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))   # no branch:
                         decay = T.if_then_else(live, e, 0.0)          # exp2, then select
-                        qk[i, j] = qk[i, j] * decay                               # P
+                        if not states_only:
+                            qk[i, j] = qk[i, j] * decay                           # P
                         gb[i, j] = decay * beta_s[j]
                     for i, j in T.Parallel(C, C):                # (A's rows past the
-                        p_s[sa, i, j] = qk[i, j]                     # end are selected
+                        if not states_only:                          # end are selected
+                            p_s[sa, i, j] = qk[i, j]
                         ag_s[sa, i, j] = T.if_then_else(             # away, not scaled)
                             i < a_rows, ag_s[sa, i, j] * gb[i, j], 0.0)           # Ag
                     T.fence_proxy_async()            # generic stores -> WGMMA operand reads
@@ -282,28 +295,33 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     T.barrier_wait(full[ss], (c // SLOTS) % 2)
                     T.wgmma_gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # (K S0)^T
-                    T.wgmma_gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
-                                 clear_accum=True, policy=ROWS)                   # (Q S0)^T
-                    T.wait_wgmma(1)
+                    if not states_only:
+                        T.wgmma_gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
+                                     clear_accum=True, policy=ROWS)               # (Q S0)^T
+                    T.wait_wgmma(0 if states_only else 1)
                     for i, t in T.Parallel(V, C):
                         r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
                     T.wgmma_gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # U^T
                     T.wait_wgmma(0)
-                    for i, t in T.Parallel(V, C):
-                        r_b[i, t] = ks[i, t]
-                        du_b[i, t] = ks[i, t] * ed_s[ss, t]
-                        ot[i, t] = ot[i, t] * eg_s[ss, t]
-                    T.wgmma_gemm(r_b, p_s[ss, :, :], ot, transpose_B=True,
-                                 policy=ROWS)                                     # + U^T P^T
+                    if states_only:
+                        for i, t in T.Parallel(V, C):
+                            du_b[i, t] = ks[i, t] * ed_s[ss, t]
+                    else:
+                        for i, t in T.Parallel(V, C):
+                            r_b[i, t] = ks[i, t]
+                            du_b[i, t] = ks[i, t] * ed_s[ss, t]
+                            ot[i, t] = ot[i, t] * eg_s[ss, t]
+                        T.wgmma_gemm(r_b, p_s[ss, :, :], ot, transpose_B=True,
+                                     policy=ROWS)                                 # + U^T P^T
                     for i, j in T.Parallel(V, K):
                         st[i, j] = st[i, j] * eg_s[ss, C - 1]
                     T.gemm(du_b, k_s[ss, :, :], st, policy=ROWS)                 # + (U^T D) K
                     T.barrier_arrive(empty[ss])
-                    if warmup:
+                    if warmup and not states_only:
                         if t0 >= out_bos:                     # not a warm-up chunk
                             store_o(o, ot, scale, t0, rows, h)
-                    else:
+                    elif not states_only:
                         store_o(o, ot, scale, t0, rows, h)
                 for i, j in T.Parallel(V, K):
                     final_state[n, h, j, i] = st[i, j]

@@ -294,7 +294,7 @@ def _walk_args(walks, device: torch.device) -> tuple:
 
 def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
            num_chunks: int | None, alloc, tiling: tuple | str | None = None,
-           walks=None, h_in_dtype: bool = False):
+           walks=None, h_in_dtype: bool = False, states_only: bool = False):
     """Run the fused chunk-recurrent kernel on packed inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
@@ -304,7 +304,8 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     ``walks``: the bounded split's walk rule (``flash_qla.segments.WalkStarts``), run
     by ``chunk_fwd_ws`` with ``warmup``, which searches each walk's start itself (the
     sequences of ``layout`` are the segments); with it, ``h_in_dtype`` stores h in q's
-    dtype instead of fp32.
+    dtype instead of fp32. ``states_only`` (the backward's recompute of h): where the
+    kernel is ``chunk_fwd_ws``, o is neither computed nor written (left as allocated).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -322,14 +323,16 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
          if store_h else _no_h(q.device, Hv, K, V))
     dtype = _DTYPE_NAMES[q.dtype]
     if walks is not None:                                # the bounded split
-        kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h,
-                                     *static_flags(True, h_in_dtype and store_h))
+        kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h, *static_flags(
+            True, h_in_dtype and store_h, states_only and store_h))
         extra = _walk_args(walks, q.device)
     else:
         if tiling is None:
             tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
         extra = _walk_args(None, q.device) if tiling == "ws" else ()   # ws only: unread
-        if tiling in TRANSPOSED_KERNELS:
+        if tiling == "ws" and states_only and store_h:
+            kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, True, False, False, True)
+        elif tiling in TRANSPOSED_KERNELS:
             kernel = TRANSPOSED_KERNELS[tiling](dtype, K, V, has_h0, store_h)
         else:
             kernel = chunk_fwd_kernel(dtype, K, V, has_h0, store_h, *tiling)

@@ -41,6 +41,7 @@ def variants(experimental: bool = False):
     GPU tests and tuning entries (so a device session does not compile them)."""
     from . import traits
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
+    from .chunk_bwd_dh_ws import chunk_bwd_dh_ws_kernel
     from .chunk_bwd_intra import chunk_bwd_intra_kernel
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_fwd_ws import chunk_fwd_ws_kernel
@@ -62,9 +63,19 @@ def variants(experimental: bool = False):
                         yield transposed, (dtype, K, V, has_h0, store_h)
                         if transposed is chunk_fwd_ws_kernel:                  # warm-up
                             yield transposed, (dtype, K, V, has_h0, store_h, True)
-                            if store_h:                         # h in dtype (backward)
-                                yield transposed, (dtype, K, V, has_h0, True, True, True)
+                            if store_h:    # the backward's recompute of h (no o):
+                                for h_in_dtype in (False, True):      # warm-up
+                                    yield transposed, (dtype, K, V, has_h0, True, True,
+                                                       h_in_dtype, True)
+                                yield transposed, (dtype, K, V, has_h0, True, False, False,
+                                                   True)                    # unsplit
+            ws_dh = (K, V) == (128, 128) and traits.BWD_DH_AUX_WARPGROUP
             for has_dht in (False, True):
+                if ws_dh or (experimental and (K, V) == (128, 128)):
+                    for flags in ((), (True,), (True, True)):   # warm-up, dS1 in dtype
+                        yield chunk_bwd_dh_ws_kernel, (dtype, K, V, has_dht, *flags)
+                if ws_dh and not experimental:
+                    continue
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)
                 if traits.FWD_NARROW_TILING:
                     yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, traits.BLOCK_V_NARROW)

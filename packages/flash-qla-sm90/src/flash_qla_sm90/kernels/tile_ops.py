@@ -5,11 +5,14 @@
   of the chunked form (gdn-math.md): log2-scaled gam, exp(gam), exp(gam_C - gam), beta.
 - ``zero_rows_past``: zero a shared tile's rows past the end of a sequence, so that NaN
   or Inf in padding (or in the next sequence's rows) never meets a GEMM as 0 * NaN.
+- ``search_walk_end``: where a bounded split's reverse walk ends (the dS sweeps).
 """
 
 import math
 
 import tilelang.language as T
+
+from .traits import CHUNK, WALK_UNROLL
 
 #: exp(x) = exp2(x * LOG2E): exponents are evaluated as exp2 of log2-scaled gates.
 LOG2E = math.log2(math.e)
@@ -49,3 +52,30 @@ def zero_rows_past(tile, rows):
         for i, j in T.Parallel(tile.shape[0], tile.shape[1]):
             if i >= rows:
                 tile[i, j] = T.cast(0, tile.dtype)
+
+
+@T.macro
+def search_walk_end(g_cumsum, h, out_eos, eos, log_bound):
+    """The bounded split's reverse walk end (``flash_qla.segments.WalkEnds``), returned
+    as an int32 var: sum the chunk totals of ``g_cumsum`` (value head ``h``) over the
+    whole chunks after a segment ending at token ``out_eos`` of a sequence ending at
+    ``eos``; the walk ends at the first chunk boundary where the sum is <= ``log_bound``
+    (natural log), else at ``eos``. WALK_UNROLL independent (clamped) loads a step, so
+    m chunks cost ceil(m / WALK_UNROLL) memory round trips."""
+    C = CHUNK
+    walk_end = T.alloc_var("int32", init=eos)
+    suffix = T.alloc_var("int32", init=T.ceildiv(eos - out_eos, C))     # chunks after
+    found = T.alloc_var("int32", init=0)
+    decay = T.alloc_var("float32", init=0.0)
+    totals = T.alloc_local((WALK_UNROLL,), "float32")                 # a step's totals
+    for step in T.serial(T.ceildiv(suffix, WALK_UNROLL)):
+        if found == 0:
+            for u in T.unroll(WALK_UNROLL):
+                totals[u] = g_cumsum[T.min(out_eos + (step * WALK_UNROLL + u + 1) * C, eos) - 1, h]
+            for u in T.unroll(WALK_UNROLL):        # chunk m ends m + 1 chunks after
+                if (found == 0) & (step * WALK_UNROLL + u < suffix):
+                    decay = decay + T.min(totals[u], 0.0)
+                    if decay <= log_bound:
+                        found = 1
+                        walk_end = T.min(out_eos + (step * WALK_UNROLL + u + 1) * C, eos)
+    return walk_end

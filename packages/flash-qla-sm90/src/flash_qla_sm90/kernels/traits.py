@@ -159,6 +159,14 @@ PASS_CONFIGS = {}
 #: False falls back to the batched PyTorch sweep.
 BWD_DH_KERNEL = True
 
+#: Which reverse sweep runs (K = V = 128): ``chunk_bwd_dh_ws`` (True: one CTA per
+#: (sequence, value head), dS^T in the registers of two warpgroups, an aux warpgroup
+#: loading and preparing each chunk one ahead, the structure of ``chunk_fwd_ws``) or
+#: ``chunk_bwd_dh`` (False: K x BLOCK_V of dS per CTA, no warp specialisation; 888 us at
+#: 16/16 1x32768 on the H200, ninth session). Predicted ~4 us per chunk for the whole
+#: state (the forward's 3.9; the old sweep ~5.5 per V half): NOT yet run on the H200.
+BWD_DH_AUX_WARPGROUP = True
+
 #: The bounded split's backward keeps its chunk states (h from the warm-up forward, dS1
 #: from the warm-up reverse sweep) in q's dtype instead of fp32: half of ~2 GB of state
 #: traffic at 16/16 1x32768 (predicted -0.25 ms of 3.25). The per-chunk gradient kernel

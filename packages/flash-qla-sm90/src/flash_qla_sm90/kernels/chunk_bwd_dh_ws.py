@@ -1,0 +1,235 @@
+"""Reverse state-gradient sweep with dS^T in registers and an auxiliary warpgroup one chunk
+ahead: ``chunk_bwd_dh``'s math in ``chunk_fwd_ws``'s structure.
+
+One CTA per (sequence, value head), whole 128 x 128 state gradient; three warpgroups,
+roles fixed by ``T.ws`` and meeting only on per-slot mbarriers (as in ``chunk_fwd_ws``):
+
+- warpgroups 0, 1 (state, 64 rows of dS^T [V, K] each, in registers): per chunk, walking
+  from the last to the first, only the chain that needs dS (gdn-math.md, "Backward of one
+  chunk", written for the transposes; rows t of the chunk, gam its chunk cumsum,
+  E = diag(exp(gam)), D = diag(exp(gam_C - gam))):
+
+      store dS^T as the chunk's dS1
+      dU^T  = (dS1^T K^T) D + dO^T Ps               Ps = scale P
+      dX^T  = dU^T Ag
+      dS0^T = exp(gam_C) dS1^T + dO^T Qe - (dX^T E) K      Qe = scale E Q
+
+  ``dO^T Qe`` does not need dS: it is issued with the first two products and waited for
+  last.
+- warpgroup 2 (aux): chunk c's q, k, dO, A tiles by cp.async into slot r % SLOTS (r-th
+  chunk of the walk) one chunk ahead; rows past the end of the sequence zeroed in shared
+  memory (NaN in padding never meets a GEMM); the gate factors; Q K^T on the tensor cores;
+  then Ps = scale * G * tril(Q K^T), Ag = (G * A) diag(beta) in place of A, and Qe in
+  place of Q.
+
+The first chunk's dS0 is dh0. Slots and barriers as ``chunk_fwd_ws`` (``SLOTS``,
+``AUX_BARRIER``); TileLang's automatic synchronisation is off: every barrier is
+written out.
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .chunk_fwd_ws import AUX_BARRIER, ROWS, SLOTS
+from .tile_ops import LOG2E, fetch_gates, search_walk_end
+from .traits import CHUNK, PASS_CONFIGS, TARGET
+
+#: setmaxnreg budgets (same launch allocation as ``chunk_fwd_ws``: 256 x STATE_REGS +
+#: 128 x AUX_REGS <= 384 x 168). ptxas, sm_90a: at the forward's 208 / 88 the aux
+#: warpgroup spilled 20-40 bytes; at 192 / 120 nothing spills and no WGMMA is serialised.
+STATE_REGS, AUX_REGS = 192, 120
+assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
+
+
+@tilelang.jit(target=TARGET, pass_configs={
+    **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bool = False,
+                           ds1_in_dtype: bool = False):
+    """Build the sweep; kernel arguments, ``warmup`` and ``ds1_in_dtype`` exactly as
+    :func:`chunk_bwd_dh.chunk_bwd_dh_kernel` (no ``block_v``: one CTA owns all V
+    columns; K = V = 128)."""
+    C = CHUNK
+    assert K == V == 2 * C
+    Tt, Hk, Hv, N, N0, N1, NT, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW")
+    f32 = "float32"
+    ds1_dtype = dtype if ds1_in_dtype else f32
+
+    @T.macro
+    def load_chunk(q, k, do, A, empty, q_s, k_s, do_s, ag_s, t0, hk, h, r):
+        """cp.async the 64-row tiles of the walk's r-th chunk (first token ``t0``) into
+        slot r % SLOTS once the state warpgroups have released it: four commit groups."""
+        s = r % SLOTS
+        T.barrier_wait(empty[s], (r // SLOTS) % 2 ^ 1)
+        T.async_copy(q[t0:t0 + C, hk, :], q_s[s, :, :])
+        T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
+        T.async_copy(do[t0:t0 + C, h, :], do_s[s, :, :])
+        T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
+
+    @T.macro
+    def store_state(out, dst, row, h):
+        """out[row, h] = dS (dS^T held in registers)."""
+        for i, j in T.Parallel(V, K):
+            out[row, h, j, i] = dst[i, j]
+
+    @T.prim_func
+    def chunk_bwd_dh_ws(
+        q: T.Tensor((Tt, Hk, K), dtype),
+        k: T.Tensor((Tt, Hk, K), dtype),
+        do: T.Tensor((Tt, Hv, V), dtype),
+        g_cumsum: T.Tensor((Tt, Hv), f32),
+        beta: T.Tensor((Tt, Hv), f32),
+        A: T.Tensor((Tt, Hv, C), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        dht: T.Tensor((N0, Hv, K, V), f32),
+        scale: T.float32,
+        dS1: T.Tensor((NT, Hv, K, V), ds1_dtype),
+        dh0: T.Tensor((N, Hv, K, V), f32),
+        seq_end: T.Tensor((NW,), "int32"),
+        seq_index: T.Tensor((NW,), "int32"),
+        log_bound: T.float32,
+    ):
+        with T.Kernel(N * Hv, threads=384) as bx:
+            # SLOTS slots of everything the aux warpgroup prepares for one chunk
+            q_s = T.alloc_shared((SLOTS, C, K), dtype)        # Q, then Qe in place
+            k_s = T.alloc_shared((SLOTS, C, K), dtype)
+            do_s = T.alloc_shared((SLOTS, C, V), dtype)
+            ag_s = T.alloc_shared((SLOTS, C, C), dtype)       # A as loaded, then Ag
+            p_s = T.alloc_shared((SLOTS, C, C), dtype)        # Ps = scale P
+            eg_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam)
+            ed_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam_C - gam)
+            # aux-only
+            gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
+            beta_s = T.alloc_shared((C,), f32)
+            qk = T.alloc_fragment((C, C), f32)               # Q K^T, then Ps
+            gb = T.alloc_fragment((C, C), f32)               # G diag(beta), masked
+            gam_next = T.alloc_fragment((C,), f32)            # gates of the next chunk
+            gam_last_next = T.alloc_fragment((C,), f32)
+            beta_next = T.alloc_fragment((C,), f32)
+            # state-only (dS^T [V, K] and the chunk's [V, C] tiles)
+            dst = T.alloc_fragment((V, K), f32)
+            dst_b = T.alloc_fragment((V, K), dtype)
+            du = T.alloc_fragment((V, C), f32)                # (K dS1)^T, then dX^T
+            dup = T.alloc_fragment((V, C), f32)               # dO^T Ps
+            du_b = T.alloc_fragment((V, C), dtype)            # dU^T, then -(E dX)^T
+
+            n = T.alloc_var("int32", init=bx // Hv)
+            h = T.alloc_var("int32", init=bx % Hv)
+            hk = T.alloc_var("int32", init=h // (Hv // Hk))
+            bos = T.alloc_var("int32", init=cu_seqlens[n])
+            seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
+            if warmup:
+                out_eos = T.alloc_var("int32", init=bos + seq_len)   # the segment's end
+                eos = T.alloc_var("int32", init=seq_end[n])          # the sequence's end
+                seq_len = search_walk_end(g_cumsum, h, out_eos, eos, log_bound) - bos
+            last = T.alloc_var("int32", init=bos + seq_len - 1)
+            first_chunk = T.alloc_var("int32", init=chunk_offsets[n])   # row of dS1
+            chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
+
+            # slot of the walk's r-th chunk: aux -> state "full" (128 arrivals),
+            # state -> aux "empty" (256)
+            full = T.alloc_barrier([128] * SLOTS)
+            empty = T.alloc_barrier([256] * SLOTS)
+
+            with T.ws(2):                                     # aux
+                T.dec_max_nreg(AUX_REGS)
+                if chunks > 0:
+                    load_chunk(q, k, do, A, empty, q_s, k_s, do_s, ag_s,
+                               bos + (chunks - 1) * C, hk, h, 0)
+                    fetch_gates(g_cumsum, beta, h, bos + (chunks - 1) * C, last, gam_next,
+                                gam_last_next, beta_next)
+                for r in T.serial(chunks):
+                    c = chunks - 1 - r                        # walk the chunks backwards
+                    a0 = bos + c * C
+                    a_rows = T.min(seq_len - c * C, C)
+                    sa = r % SLOTS
+                    # the previous chunk's copies fly while this one is prepared
+                    if r + 1 < chunks:
+                        load_chunk(q, k, do, A, empty, q_s, k_s, do_s, ag_s, a0 - C, hk, h,
+                                   r + 1)
+                        T.ptx_wait_group(4)                   # this chunk's four groups
+                    else:
+                        T.ptx_wait_group(0)
+                    # rows past the end (next sequence, padding: maybe NaN) zeroed, once
+                    # every thread's copies of the slot have landed
+                    if a_rows < C:
+                        T.sync_threads(AUX_BARRIER, 128)
+                        for i, j in T.Parallel(C, K):
+                            if i >= a_rows:
+                                q_s[sa, i, j] = T.cast(0, dtype)
+                                k_s[sa, i, j] = T.cast(0, dtype)
+                                do_s[sa, i, j] = T.cast(0, dtype)
+                    for i in T.Parallel(C):
+                        gam_s[i] = gam_next[i] * LOG2E
+                        beta_s[i] = beta_next[i]
+                        eg_s[sa, i] = T.exp2(gam_next[i] * LOG2E)
+                        ed_s[sa, i] = T.exp2((gam_last_next[i] - gam_next[i]) * LOG2E)
+                    if c > 0:                                 # the previous chunk's gates
+                        fetch_gates(g_cumsum, beta, h, a0 - C, last, gam_next,
+                                    gam_last_next, beta_next)
+                    T.fence_proxy_async()
+                    T.sync_threads(AUX_BARRIER, 128)
+                    T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,
+                           clear_accum=True)                                      # Q K^T
+                    for i, j in T.Parallel(C, C):
+                        live = (i >= j) & (i < a_rows)
+                        e = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))
+                        decay = T.if_then_else(live, e, 0.0)
+                        qk[i, j] = qk[i, j] * decay * scale                       # Ps
+                        gb[i, j] = decay * beta_s[j]
+                    for i, j in T.Parallel(C, C):
+                        p_s[sa, i, j] = qk[i, j]
+                        ag_s[sa, i, j] = T.if_then_else(
+                            i < a_rows, ag_s[sa, i, j] * gb[i, j], 0.0)           # Ag
+                    for i, j in T.Parallel(C, K):                  # Q read by Q K^T: Qe
+                        q_s[sa, i, j] = q_s[sa, i, j] * (eg_s[sa, i] * scale)
+                    T.fence_proxy_async()            # generic stores -> WGMMA operand reads
+                    T.barrier_arrive(full[sa])
+                    T.sync_threads(AUX_BARRIER, 128)      # gam_s, beta_s read by all
+
+            with T.ws(0, 1):                                  # state
+                T.inc_max_nreg(STATE_REGS)
+                if has_dht and warmup:                    # the walk's end state
+                    if bos + seq_len == seq_end[n]:       # the sequence's own end: dht
+                        src = T.alloc_var("int32", init=seq_index[n])
+                        for i, j in T.Parallel(V, K):
+                            dst[i, j] = dht[src, h, j, i]
+                    else:
+                        T.clear(dst)
+                elif has_dht:
+                    for i, j in T.Parallel(V, K):
+                        dst[i, j] = dht[n, h, j, i]
+                else:
+                    T.clear(dst)
+                for r in T.serial(chunks):
+                    c = chunks - 1 - r
+                    ss = r % SLOTS
+                    if warmup:
+                        if bos + c * C < out_eos:             # not a warm-up chunk
+                            store_state(dS1, dst, first_chunk + c, h)
+                    else:
+                        store_state(dS1, dst, first_chunk + c, h)
+                    for i, j in T.Parallel(V, K):
+                        dst_b[i, j] = dst[i, j]
+                    T.barrier_wait(full[ss], (r // SLOTS) % 2)
+                    T.wgmma_gemm(dst_b, k_s[ss, :, :], du, transpose_B=True,
+                                 clear_accum=True, policy=ROWS)                   # dS1^T K^T
+                    T.wgmma_gemm(do_s[ss, :, :], p_s[ss, :, :], dup, transpose_A=True,
+                                 clear_accum=True, policy=ROWS)                   # dO^T Ps
+                    for i, j in T.Parallel(V, K):
+                        dst[i, j] = dst[i, j] * eg_s[ss, C - 1]
+                    T.wgmma_gemm(do_s[ss, :, :], q_s[ss, :, :], dst, transpose_A=True,
+                                 policy=ROWS)                                     # + dO^T Qe
+                    T.wait_wgmma(1)
+                    for i, t in T.Parallel(V, C):
+                        du_b[i, t] = du[i, t] * ed_s[ss, t] + dup[i, t]          # dU^T
+                    T.wgmma_gemm(du_b, ag_s[ss, :, :], du, clear_accum=True,
+                                 policy=ROWS)                                     # dX^T
+                    T.wait_wgmma(0)
+                    for i, t in T.Parallel(V, C):
+                        du_b[i, t] = -eg_s[ss, t] * du[i, t]                      # -(E dX)^T
+                    T.gemm(du_b, k_s[ss, :, :], dst, policy=ROWS)                 # + .. K
+                    T.barrier_arrive(empty[ss])
+                store_state(dh0, dst, n, h)
+
+    return chunk_bwd_dh_ws
