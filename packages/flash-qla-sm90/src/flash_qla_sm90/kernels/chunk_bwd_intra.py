@@ -141,6 +141,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
             cc_frag = T.alloc_fragment((C, C), f32)
             kk_frag = T.alloc_fragment((C, C), f32)           # K K^T
             dgg_frag = T.alloc_fragment((C, C), f32)          # dG * G
+            am_frag = T.alloc_fragment((C, C), f32)           # A^T M
             ks0_frag = T.alloc_fragment((C, V), f32)          # K S0
             cv_frag = T.alloc_fragment((C, V), f32)
             u_frag = T.alloc_fragment((C, V), f32)
@@ -209,17 +210,10 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 zero_rows_past(u_shared, rows)
                 zero_rows_past(do_shared, rows)
 
-                # S0, dS1 as dtype operands, and the <S0, dS1> row sums in fp32
+                # fp32 S0, dS1 -> dtype operands, and the <S0, dS1> row sums (in dtype:
+                # below, while U = Ag X runs)
                 T.clear(ss_acc)
-                if states_in_dtype:
-                    for half in T.serial(2):
-                        for i, j in T.Parallel(K, BV):
-                            st_frag[i, j] = (T.cast(s0_shared[i, half * BV + j], f32)
-                                             * T.cast(ds1_shared[i, half * BV + j], f32))
-                        T.reduce_sum(st_frag, ss_part, dim=1)
-                        for i in T.Parallel(K):
-                            ss_acc[i] = ss_acc[i] + ss_part[i]
-                else:                                    # fp32 -> registers -> dtype
+                if not states_in_dtype:                  # fp32 -> registers -> dtype
                     for half in T.serial(2):
                         T.copy(h[srow, hh, :, half * BV:half * BV + BV], st_frag)
                         T.copy(dS1[srow, hh, :, half * BV:half * BV + BV], dt_frag)
@@ -230,8 +224,6 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                         T.reduce_sum(st_frag, ss_part, dim=1)
                         for i in T.Parallel(K):
                             ss_acc[i] = ss_acc[i] + ss_part[i]
-                for i in T.Parallel(K):
-                    ss_shared[i] = ss_acc[i]
                 T.fence_proxy_async()
                 T.sync_threads()
 
@@ -241,13 +233,26 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.wait_wgmma(1)                                                       # K S0
                 for i, j in T.Parallel(C, V):
                     x_shared[i, j] = u_shared[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
-                T.wait_wgmma(0)                                                       # Q S0
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.wgmma_gemm(ag_shared, x_shared, u_frag, clear_accum=True)              # U = Ag X
+                T.wait_wgmma(1)                                                       # Q S0
                 for i, j in T.Parallel(C, V):
                     cv_frag[i, j] = cv_frag[i, j] * do_shared[i, j]
                 T.reduce_sum(cv_frag, r_qs, dim=1)                                   # <dO, QS0>
                 for i in T.Parallel(C):
                     vec_shared[0, i] = r_qs[i] * scale * T.exp2(gam_shared[i])
-                T.gemm(ag_shared, x_shared, u_frag, clear_accum=True)                    # U = Ag X
+                if states_in_dtype:                      # <S0, dS1> row sums
+                    for half in T.serial(2):
+                        for i, j in T.Parallel(K, BV):
+                            st_frag[i, j] = (T.cast(s0_shared[i, half * BV + j], f32)
+                                             * T.cast(ds1_shared[i, half * BV + j], f32))
+                        T.reduce_sum(st_frag, ss_part, dim=1)
+                        for i in T.Parallel(K):
+                            ss_acc[i] = ss_acc[i] + ss_part[i]
+                for i in T.Parallel(K):
+                    ss_shared[i] = ss_acc[i]
+                T.wait_wgmma(0)                                                       # U
                 T.copy(u_frag, u_shared)
 
                 # ---- dU = scale P^T dO + D K dS1, and dD = D <K dS1, U>
@@ -296,7 +301,9 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 # below, issued behind it)
                 T.wgmma_gemm(do_shared, u_shared, cc_frag, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(1)                                                       # dP
+                T.wgmma_gemm(a_shared, m_shared, am_frag, transpose_A=True,
+                             clear_accum=True)                                        # A^T M
+                T.wait_wgmma(2)                                                       # dP
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
                     decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
@@ -311,8 +318,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     vec_shared[6, j] = c_dgg[j]                                       # dGG cols
 
                 # ---- dN = strictly_lower(-A^T M A^T): dbeta (second term), diag(beta) dN
-                T.gemm(a_shared, m_shared, cc_frag, transpose_A=True, clear_accum=True)  # A^T M
-                T.copy(cc_frag, p_shared)
+                T.wait_wgmma(0)                                                # K K^T, A^T M
+                T.copy(am_frag, p_shared)
                 T.gemm(p_shared, a_shared, cc_frag, transpose_B=True, clear_accum=True)  # A^T M A^T
                 for i, j in T.Parallel(C, C):
                     dn = T.if_then_else((i > j) & (i < rows), -cc_frag[i, j], 0.0)
@@ -322,25 +329,26 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 for i in T.Parallel(C):
                     vec_shared[5, i] = r_dn[i]                                       # dbeta, 2nd
 
-                # ---- dQ = scale E dO S0^T + (dP * G) K
-                T.gemm(do_shared, s0_shared, dq_frag, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, K):
-                    dq_frag[i, j] = dq_frag[i, j] * scale * T.exp2(gam_shared[i])
-                T.gemm(dpg_shared, k_shared, dq_frag)
-                for i, j in T.Parallel(C, K):
-                    if i < rows:
-                        dq[t0 + i, hh, j] = dq_frag[i, j]
-
-                # ---- dK = D U dS1^T + (dP * G)^T Q - E dX S0^T + bdN K + bdN^T K
-                T.gemm(u_shared, ds1_shared, dk_frag, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, K):
-                    dk_frag[i, j] = dk_frag[i, j] * T.exp2(gam_shared[C - 1] - gam_shared[i])
-                # four more products into the same accumulator, one wait
+                # ---- dQ = (scale E dO) S0^T + (dP * G) K and
+                # dK = (D U) dS1^T + (dP * G)^T Q - E dX S0^T + bdN K + bdN^T K: the row
+                # factors go into dO and U (their last use), then seven products in flight
+                for i, j in T.Parallel(C, V):
+                    do_shared[i, j] = do_shared[i, j] * (scale * T.exp2(gam_shared[i]))
+                    u_shared[i, j] = u_shared[i, j] * T.exp2(gam_shared[C - 1] - gam_shared[i])
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.wgmma_gemm(do_shared, s0_shared, dq_frag, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(dpg_shared, k_shared, dq_frag)
+                T.wgmma_gemm(u_shared, ds1_shared, dk_frag, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(dpg_shared, q_shared, dk_frag, transpose_A=True)
                 T.wgmma_gemm(du_shared, s0_shared, dk_frag, transpose_B=True)
                 T.wgmma_gemm(ag_shared, k_shared, dk_frag)
                 T.wgmma_gemm(ag_shared, k_shared, dk_frag, transpose_A=True)
-                T.wait_wgmma(0)
+                T.wait_wgmma(5)                                                       # dQ
+                for i, j in T.Parallel(C, K):
+                    if i < rows:
+                        dq[t0 + i, hh, j] = dq_frag[i, j]
+                T.wait_wgmma(0)                                                       # dK
                 for i, j in T.Parallel(C, K):
                     if i < rows:
                         dk[t0 + i, hh, j] = dk_frag[i, j]
