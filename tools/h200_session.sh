@@ -26,7 +26,9 @@
 #             launch alone, cProfile); with the FlashQLA peer in the bundle, its wall too
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
 #             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists);
-#             NCU_SOURCE=1 adds the stall samples per SASS instruction (ncu-sass.csv)
+#             NCU_SOURCE=1 adds the stall samples per SASS instruction (ncu-sass.csv);
+#             NCU_WORKLOAD: another command to profile (e.g. profile/profile_gdr.py on a
+#             backward shape, for NCU_KERNEL=chunk_bwd_intra)
 # Results: one archive $OUT/results.tar.xz (the device returns at most 8 files); tables
 # printed last. Usage (on the lent H200, repo root, .offline-gpu carried):
 #   STAGES="tests tune" bash tools/h200_session.sh
@@ -127,8 +129,8 @@ if has ncu; then
       --section Occupancy --section ComputeWorkloadAnalysis --section SpeedOfLight \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
       ${NCU_SOURCE:+--section SourceCounters --import-source no -o "$R/ncu-report"} \
-      python3 benchmark/tune_chunk_fwd.py --tilings "${NCU_TILING:-64x256}" \
-      --shapes "${NCU_SHAPE:-2/8@1x8192}" \
+      ${NCU_WORKLOAD:-python3 benchmark/tune_chunk_fwd.py --tilings "${NCU_TILING:-64x256}" \
+      --shapes "${NCU_SHAPE:-2/8@1x8192}"} \
       > "$R/ncu.txt" 2>&1
     if [ -n "${NCU_SOURCE:-}" ] && [ -f "$R/ncu-report.ncu-rep" ]; then   # per-SASS stalls
       "$NCU" --import "$R/ncu-report.ncu-rep" --page details >> "$R/ncu.txt" 2>&1
