@@ -38,10 +38,9 @@ straight into their operands when they come in q's dtype), P and Ag are formed w
 the rest lands, and independent GEMMs are issued in pairs (``T.wgmma_gemm``) and waited
 for where their results are read.
 
-Resources (sm_90a, K = V = 128, ``traits.INTRA_THREADS`` = 512): about 216 KB of shared
-memory (S0 and dS1 as dtype operands, 32 KB each; TileLang overlaps buffers whose
-lifetimes are disjoint), so one CTA per SM; 128 registers (~120 bytes spilled; at 256
-threads: 255 registers, no spills, half the warps to hide latency with). The ``<S0, dS1>`` row sums (K of them) are
+Resources (sm_90a, K = V = 128, 256 threads): about 216 KB of shared memory (S0 and dS1
+as dtype operands, 32 KB each; TileLang overlaps buffers whose lifetimes are disjoint),
+so one CTA per SM; 255 registers, no spills. The ``<S0, dS1>`` row sums (K of them) are
 folded onto the C rows of the final reduction, which needs K = 2 C.
 """
 
@@ -50,7 +49,7 @@ import tilelang.language as T
 import torch
 
 from .tile_ops import LOG2E, zero_rows_past
-from .traits import CHUNK, INTRA_THREADS, PASS_CONFIGS, TARGET
+from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
@@ -110,7 +109,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
         dbeta: T.Tensor((Tt, Hv), f32),
         dg: T.Tensor((Tt, Hv), f32),
     ):
-        with T.Kernel(NTmax * Hv, threads=INTRA_THREADS) as bid:
+        with T.Kernel(NTmax * Hv, threads=FWD_THREADS) as bid:
             # GEMM operands (dtype); some are reused once their first use is over
             q_shared = T.alloc_shared((C, K), dtype)
             k_shared = T.alloc_shared((C, K), dtype)

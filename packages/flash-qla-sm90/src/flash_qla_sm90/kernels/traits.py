@@ -68,14 +68,6 @@ FWD_WIDE_TILING = True
 FWD_THREADS = 256
 PREPARE_THREADS = 128
 
-#: Threads of ``chunk_bwd_intra`` (one CTA per (chunk, value head), ~216 KB of shared
-#: memory, so one CTA per SM): 512 = four warpgroups, each M = 64 GEMM split four ways
-#: along N, every [C, *] fragment spread over twice the threads of 256. Nsight Compute at
-#: 256 (H200, tenth session): 8 warps per SM, issue-latency bound (0.98 IPC, 75% of
-#: cycles with no eligible warp; stalls: wait, long / short scoreboard, barrier), tensor
-#: pipes nearly idle. At 512 ptxas caps it at 128 registers (~120 bytes spill).
-INTRA_THREADS = 512
-
 #: ``chunk_fwd`` tiling arguments (block_v, threads) of the narrow and wide tiles.
 FWD_NARROW = (BLOCK_V_NARROW, FWD_THREADS)
 FWD_WIDE = (BLOCK_V_WIDE, FWD_THREADS)
