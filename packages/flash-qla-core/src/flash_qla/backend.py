@@ -78,6 +78,14 @@ class Kernels(Protocol):
     # for zero), or a kernel searches the same walks itself from ``starts.seq_start``,
     # ``starts.seq_index`` and ``starts.log_bound``; o is stored only from each
     # segment's start; final_state ``[Nseg, Hv, K, V]`` is every segment's.
+    # Optional, with it: ``bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale,
+    # initial_state, cu_seqlens, cu_seqlens_cpu, starts, ends) -> (dq, dk, dv, dbeta, dg,
+    # dh0)``: the backward of that split (``flash_qla.segments.warmup_bwd``), on the same
+    # segments; ``starts`` as above (the chunk states are recomputed by the same forward
+    # walks), ``ends`` (a ``flash_qla.segments.WalkEnds``) the rule of the reverse walks
+    # (each segment's dS sweep starts after its end at the first chunk boundary where the
+    # gates decayed below ``ends.log_bound``, from a zero dS, or at its sequence's end
+    # from dht); dh0 ``[Nseg, Hv, K, V]`` per segment (None without an initial state).
 
 
 @dataclass(frozen=True)
