@@ -14,6 +14,10 @@ and the first chunk's dS0 is dh0. Every other gradient is per chunk given S0 (fr
 forward kernel) and dS1 (from here), so it runs chunk-parallel outside this kernel.
 Rows past the end of a sequence are masked like in ``chunk_fwd`` (q, k and dO rows
 zeroed in shared memory, dU's selected to 0, so NaN in padding never meets a GEMM).
+
+The default sweep is ``chunk_bwd_dh_ws`` (the same math warp-specialised, 2.6x faster
+on the H200 at 16/16 1x32768); this one runs with ``traits.BWD_DH_AUX_WARPGROUP`` off
+and serves head dims other than 128.
 """
 
 import tilelang
