@@ -81,15 +81,17 @@ FORWARD_CASES = [
                  TypeError, r"q must have dtype in \(bfloat16, float16, float32, float64\); "
                  r"got torch.int32", id="q-dtype-int"),
     pytest.param(lambda: _with(base_call(), k=torch.randn(B, T, HK, K).bfloat16()),
-                 TypeError, r"k must have q's dtype torch.float32; got torch.bfloat16",
-                 id="k-dtype-mismatch"),
+                 TypeError, r"q, k, v must share one dtype; got q=torch.float32, "
+                 r"k=torch.bfloat16, v=torch.float32", id="k-dtype-mismatch"),
     pytest.param(lambda: _with(base_call(), v=torch.randn(B, T, HV, V).half()),
-                 TypeError, r"v must have q's dtype", id="v-dtype-mismatch"),
+                 TypeError, r"q, k, v must share one dtype; .*v=torch.float16",
+                 id="v-dtype-mismatch"),
     pytest.param(lambda: _with(base_call(), g=-torch.rand(B, T, HV).half()), TypeError,
                  r"g must have dtype in \(float32, bfloat16, float64\); got torch.float16",
                  id="g-dtype-fp16"),
     pytest.param(lambda: _with(base_call(), beta=torch.rand(B, T, HV).bfloat16()), TypeError,
-                 r"beta must have q's dtype or float32 \(float32\); got torch.bfloat16",
+                 r"beta must have q's dtype \(torch.float32\) or torch.float32; "
+                 r"got torch.bfloat16",
                  id="beta-dtype"),
     pytest.param(lambda: _with(base_call(), initial_state=torch.zeros(B, HV, K, V).bfloat16()),
                  TypeError, r"initial_state must have dtype torch.float32", id="state-dtype-bf16"),
@@ -240,6 +242,11 @@ BACKWARD_CASES = [
                  r"A must have shape \[B, T, Hv, C\]", id="A-shape"),
     pytest.param(lambda: backward_call(A=torch.zeros(B, T, HV)), ValueError,
                  r"A must be 4-D \[B, T, Hv, C\]", id="A-rank"),
+    pytest.param(lambda: backward_call(A=torch.zeros(B, T, HV, 32)), ValueError,
+                 r"A must have shape \[B, T, Hv, C\] = \[2, 8, 4, 64\]", id="A-chunk"),
+    pytest.param(lambda: backward_call(A=torch.zeros(B, T, HV, 64).double()), TypeError,
+                 r"A \(the forward's inverse\) must have q's dtype torch.float32; "
+                 r"got torch.float64", id="A-dtype"),
     pytest.param(lambda: backward_call(do=torch.zeros(B, T, HV, K)), ValueError,
                  r"do must have shape \[B, T, Hv, V\] \(v's shape\) = \[2, 8, 4, 8\]",
                  id="do-shape"),

@@ -510,7 +510,7 @@ def chunk_gated_delta_rule_bwd(
     """
     N = validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    validation.validate_backward_extras(q, v, g, A, do, dht, N)
+    validation.validate_backward_extras(q, v, g, A, do, dht, N, CHUNK)
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state, dht)
     q, k, v, g, beta, A, do, dht, initial_state = _contiguous(

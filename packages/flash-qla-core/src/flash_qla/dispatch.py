@@ -237,9 +237,11 @@ def clear_cache() -> None:
 # --------------------------------------------------------------------------------------
 
 def pip_command(extra: str, clone_path: str) -> str:
-    """``pip install "flash-qla[extra]"``, and its form from a clone of the repository
-    (``pip install -e <clone_path>``) while the packages are not published."""
-    return f'pip install "flash-qla[{extra}]" (from a clone: pip install -e {clone_path})'
+    """The install command from a clone of the repository (``pip install -e
+    <clone_path>``), first while 0.2 is not published (PyPI's ``flash-qla`` 0.1.x is
+    another project), then the extra it will be (``pip install "flash-qla[extra]"``)."""
+    return (f'pip install -e {clone_path} (from a clone; after the 0.2 release: '
+            f'pip install "flash-qla[{extra}]")')
 
 
 def install_hint(capability: tuple[int, int]) -> str:

@@ -107,9 +107,9 @@ def check_qkv_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     allowed = QKV_DTYPES + (torch.float64,)
     if q.dtype not in allowed:
         raise TypeError(f"q must have dtype in ({_names(allowed)}); got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError("q, k, v must share one dtype; got "
+                        f"q={q.dtype}, k={k.dtype}, v={v.dtype}")
 
 
 def check_gate_dtype(name: str, g: torch.Tensor) -> None:
@@ -124,7 +124,7 @@ def check_beta_dtype(beta: torch.Tensor, q: torch.Tensor) -> None:
     allowed = tuple(dict.fromkeys((q.dtype, torch.float32)))
     if beta.dtype not in allowed:
         raise TypeError(
-            f"beta must have q's dtype or float32 ({_names(allowed)}); got {beta.dtype}"
+            f"beta must have q's dtype ({q.dtype}) or torch.float32; got {beta.dtype}"
         )
 
 
@@ -330,8 +330,9 @@ def validate_forward(
     return N
 
 
-def validate_backward_extras(q, v, g, A, do, dht, N: int) -> None:
-    """Checks of the inputs only the low-level backward takes (g is the gate cumsum)."""
+def validate_backward_extras(q, v, g, A, do, dht, N: int, chunk: int) -> None:
+    """Checks of the inputs only the low-level backward takes (g is the gate cumsum; A
+    the forward's ``[B, T, Hv, chunk]`` inverse in q's dtype)."""
     for name, x in (("A", A), ("do", do)):
         check_is_tensor(name, x)
     check_is_tensor("dht", dht, optional=True)
@@ -340,7 +341,10 @@ def validate_backward_extras(q, v, g, A, do, dht, N: int) -> None:
             f"g (the forward's gate cumsum) must have dtype {state_dtype(q)}; got {g.dtype}"
         )
     check_rank("A", A, "[B, T, Hv, C]")
-    check_shape("A", A, (*v.shape[:3], A.shape[3]), "[B, T, Hv, C]")
+    check_shape("A", A, (*v.shape[:3], chunk), "[B, T, Hv, C]")       # C: the chunk
+    if A.dtype != q.dtype:
+        raise TypeError(f"A (the forward's inverse) must have q's dtype {q.dtype}; "
+                        f"got {A.dtype}")
     check_shape("do", do, v.shape, "[B, T, Hv, V] (v's shape)")
     if do.dtype != q.dtype:
         raise TypeError(f"do must have q's dtype {q.dtype}; got {do.dtype}")
