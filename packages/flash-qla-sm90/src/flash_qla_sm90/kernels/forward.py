@@ -331,7 +331,8 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
             tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
         extra = _walk_args(None, q.device) if tiling == "ws" else ()   # ws only: unread
         if tiling == "ws" and states_only and store_h:
-            kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, True, False, False, True)
+            kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h,
+                                         *static_flags(False, False, states_only))
         elif tiling in TRANSPOSED_KERNELS:
             kernel = TRANSPOSED_KERNELS[tiling](dtype, K, V, has_h0, store_h)
         else:
