@@ -250,6 +250,15 @@ def test_backward_intra_kernel_compiles_to_wgmma(dtype, qk_grads_in_dtype):
     assert re.search(rf"{ctype}\*\s*__restrict__\s+dq\b", src), src[:2000]
 
 
+def test_intra_kernel_reductions_are_batched():
+    """chunk_bwd_intra exchanges every row / column sum a thread owns in one AllReduce
+    (one barrier pair), not one per element."""
+    builder, args = _variant("bwd_intra_states_dtype")
+    src = _source(builder, *args)
+    assert "AllReduce" in src and "::run_batch(" in src
+    assert not re.search(r"AllReduce<[^;]*>::run\(", src)
+
+
 # Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
 _SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "seq_start", "seq_index", "seq_end"}
 
