@@ -281,13 +281,15 @@ def _global_accesses(src: str):
     return found
 
 
-@pytest.mark.parametrize("kernel", ["prepare", "prepare_blocked", "fwd", "fwd_t_h", "fwd_ws_h",
-                                    "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh",
-                                    "bwd_dh_warmup", "bwd_intra", "bwd_intra_dtype",
-                                    "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
-                                    "bwd_intra_states_dtype", "bwd_dh_ws",
-                                    "bwd_dh_ws_warmup", "bwd_dh_ws_warmup_dtype",
-                                    "fwd_ws_states", "fwd_ws_warmup_states_dtype"])
+# every variant the module compiles (each once: the cache is per module)
+_ALL_VARIANTS = ["prepare", "prepare_blocked", "fwd", "fwd_t", "fwd_t_h", "fwd_ws", "fwd_ws_h",
+                 "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh", "bwd_dh_warmup", "bwd_intra",
+                 "bwd_intra_dtype", "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
+                 "bwd_intra_states_dtype", "bwd_dh_ws", "bwd_dh_ws_warmup",
+                 "bwd_dh_ws_warmup_dtype", "fwd_ws_states", "fwd_ws_warmup_states_dtype"]
+
+
+@pytest.mark.parametrize("kernel", _ALL_VARIANTS)
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
@@ -296,3 +298,33 @@ def test_global_indexing_is_64_bit(kernel):
     assert accesses, "no global access found: the pattern no longer matches the codegen"
     narrow = [(p, e[:100]) for p, e in accesses if "int64_t" not in e]
     assert not narrow, narrow
+
+
+# the most dynamic shared memory one CTA may opt in to on sm_90 (227 KB)
+_SM90_MAX_DYNAMIC_SMEM = 232448
+
+
+def _dynamic_smem(host_src: str) -> list:
+    """Dynamic shared memory bytes of each kernel launch in TileLang's host code: the last
+    argument packed before each ``TVMFFIFunctionCall(<kernel>_packed, ..., n, ...)``
+    (the runtime's own calls, named ``__...``, are not launches)."""
+    sizes = []
+    for call in re.finditer(r"TVMFFIFunctionCall\((?!__)\w+_packed, \(TVMFFIAny\*\) stack_ffi_any, (\d+),",
+                            host_src):
+        last = int(call.group(1)) - 1
+        slots = re.findall(rf"\[{last}\]\.v_int64\) = \(\(int64_t\)(\d+)\);",
+                           host_src[:call.start()])
+        sizes.append(int(slots[-1]))
+    return sizes
+
+
+@pytest.mark.parametrize("kernel", _ALL_VARIANTS)
+def test_shared_memory_fits_one_sm90_block(kernel):
+    """Every kernel asks for at most 227 KB of dynamic shared memory, the sm_90 opt-in
+    limit: past it the launch fails at run time ("Failed to set the allowed dynamic
+    shared memory size"), which no compile step reports. TileLang gives every reduction
+    its own workspace, so batching reductions (chunk_bwd_intra) can cross it."""
+    builder, args = _variant(kernel)
+    sizes = _dynamic_smem(builder(*args).get_host_source())
+    assert sizes, "no kernel launch found: the pattern no longer matches the host code"
+    assert max(sizes) <= _SM90_MAX_DYNAMIC_SMEM, sizes

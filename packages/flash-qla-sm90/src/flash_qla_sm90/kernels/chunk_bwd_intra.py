@@ -243,7 +243,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.wait_wgmma(1)                                                       # Q S0
                 for i, j in T.Parallel(C, V):
                     cv_frag[i, j] = cv_frag[i, j] * do_shared[i, j]
-                T.reduce_sum(cv_frag, r_qs, dim=1, batch=2)                                   # <dO, QS0>
+                T.reduce_sum(cv_frag, r_qs, dim=1, batch=2)                       # <dO, QS0>
                 for i in T.Parallel(C):
                     vec_shared[0, i] = r_qs[i] * scale * T.exp2(gam_shared[i])
                 if states_in_dtype:                      # <S0, dS1> row sums
@@ -284,7 +284,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     m_shared[i, j] = dagg * beta_shared[j]
                     cc_frag[i, j] = dagg * a_shared[i, j]                                # dAg * GA
                     dgg_frag[i, j] = dagg * a_shared[i, j] * beta_shared[j]              # M * A
-                T.reduce_sum(cc_frag, c_dba, dim=0, batch=8)
+                T.reduce_sum(cc_frag, c_dba, dim=0, batch=4)
                 for j in T.Parallel(C):
                     vec_shared[2, j] = c_dba[j]                                       # dbeta, 1st
 
@@ -297,7 +297,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     edx = -T.exp2(gam_shared[i]) * dx_frag[i, j]
                     du_shared[i, j] = edx
                     cv_frag[i, j] = edx * ks0_frag[i, j]
-                T.reduce_sum(cv_frag, r_ks, dim=1, batch=2)                                   # -E <dX, KS0>
+                T.reduce_sum(cv_frag, r_ks, dim=1, batch=2)                       # -E <dX, KS0>
                 for i in T.Parallel(C):
                     vec_shared[3, i] = r_ks[i]
 
@@ -315,7 +315,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     dpg_shared[i, j] = dpg
                     dgg_frag[i, j] = dgg_frag[i, j] + dpg * qk_frag[i, j]
                 T.reduce_sum(dgg_frag, r_dgg, dim=1, batch=2)
-                T.reduce_sum(dgg_frag, c_dgg, dim=0, batch=8)
+                T.reduce_sum(dgg_frag, c_dgg, dim=0, batch=4)
                 for i in T.Parallel(C):
                     vec_shared[4, i] = r_dgg[i]                                          # dGG rows
                 for j in T.Parallel(C):
