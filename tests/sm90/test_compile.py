@@ -309,8 +309,8 @@ def _dynamic_smem(host_src: str) -> list:
     argument packed before each ``TVMFFIFunctionCall(<kernel>_packed, ..., n, ...)``
     (the runtime's own calls, named ``__...``, are not launches)."""
     sizes = []
-    for call in re.finditer(r"TVMFFIFunctionCall\((?!__)\w+_packed, \(TVMFFIAny\*\) stack_ffi_any, (\d+),",
-                            host_src):
+    launch = r"TVMFFIFunctionCall\((?!__)\w+_packed, \(TVMFFIAny\*\) stack_ffi_any, (\d+),"
+    for call in re.finditer(launch, host_src):
         last = int(call.group(1)) - 1
         slots = re.findall(rf"\[{last}\]\.v_int64\) = \(\(int64_t\)(\d+)\);",
                            host_src[:call.start()])
