@@ -7,8 +7,11 @@ events around 20 calls, synchronised), the host cost of each TileLang launch alo
 last call's arguments replayed; ours only), and the top Python functions by own time
 (``cProfile``, 200 calls). ``--backward``: the same for the backward of ours (the
 autograd Function's ``backward`` called on this thread, where cProfile sees it: autograd
-runs a CUDA backward on its own device thread). usage: python tools/host_cost.py
-[--shapes 2/8@1x32768,...] [--impl flashqla --flashqla-path DIR] [--backward]
+runs a CUDA backward on its own device thread). ``--fwd-bwd``: the benchmark's training
+step (forward with grad + ``torch.autograd.grad``, as ``bench --mode bwd``'s fwd+bwd
+column), wall and GPU, ours or FlashQLA (cProfile sees the forward only: autograd's device
+thread runs the backward). usage: python tools/host_cost.py [--shapes 2/8@1x32768,...]
+[--impl flashqla --flashqla-path DIR] [--backward | --fwd-bwd]
 """
 
 from __future__ import annotations
@@ -90,6 +93,15 @@ def _backward_call(impl, a: dict, inp: dict):
     return backward
 
 
+def _fwd_bwd_call(impl, a: dict, inp: dict):
+    """The benchmark's training step: forward with grad, then the gradients of every leaf
+    (``benchmark/common.py``'s fwd+bwd timing)."""
+    def step():
+        o, final_state = impl.canon(impl.call(a), a)
+        return torch.autograd.grad((o, final_state), impl.leaves(a), (inp["do"], inp["dht"]))
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="2/8@1x32768,2/8@1x8192,16/16@1x32768,16/16@4x8192",
@@ -101,7 +113,11 @@ def main() -> None:
     ap.add_argument("--flashqla-path")
     ap.add_argument("--backward", action="store_true",
                     help="the backward of ours instead of the forward (wall, GPU, cProfile)")
+    ap.add_argument("--fwd-bwd", action="store_true",
+                    help="the training step (forward + autograd.grad) instead of the forward")
     args = ap.parse_args()
+    if args.backward and args.fwd_bwd:
+        ap.error("--backward and --fwd-bwd time different calls: pass one of them")
     if args.backward and args.impl != "ours":
         ap.error(f"--backward supports --impl ours only; got --impl {args.impl}")
     if not torch.cuda.is_available():
@@ -112,7 +128,7 @@ def main() -> None:
     impl = C.IMPLS[args.impl]()
     impl.load(ctx)
     recorders = {}
-    if args.impl == "ours" and not args.backward:
+    if args.impl == "ours" and not (args.backward or args.fwd_bwd):
         from flash_qla_sm90.kernels import forward
 
         recorders["ws"] = forward.chunk_fwd_ws_kernel = _Recorder(forward.chunk_fwd_ws_kernel)
@@ -122,16 +138,21 @@ def main() -> None:
     rows, profiles = [], {}
     for spec in args.shapes.split(","):
         shape = C.Shape.from_key(f"fwd:{spec}")
-        inp = C.make_inputs(shape, "model", 0, "cuda", with_grads=args.backward)
+        grads = args.backward or args.fwd_bwd
+        inp = C.make_inputs(shape, "model", 0, "cuda", with_grads=grads)
         a = impl.prepare(inp, ctx)
         a_grad = impl.prepare(inp, ctx, requires_grad=True)
-        call = (_backward_call(impl, a_grad, inp) if args.backward
-                else functools.partial(impl.call, a))
+        if args.backward:
+            call = _backward_call(impl, a_grad, inp)
+        elif args.fwd_bwd:
+            call = _fwd_bwd_call(impl, a_grad, inp)
+        else:
+            call = functools.partial(impl.call, a)
         for _ in range(5):
             call()
         torch.cuda.synchronize()
         row = {"shape": spec, "api wall us": _wall_us(call)}
-        if not args.backward:
+        if not grads:
             row["api wall us (grad)"] = _wall_us(functools.partial(impl.call, a_grad))
         row["gpu us"] = _gpu_us(call)
         row.update(_launch_costs(recorders))
