@@ -31,7 +31,7 @@ import tilelang
 import tilelang.language as T
 
 from .chunk_fwd_ws import AUX_BARRIER, ROWS, SLOTS
-from .tile_ops import LOG2E, fetch_gates, search_walk_end
+from .tile_ops import LOG2E, fetch_gates, search_walk_end, store_transposed
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 
 #: setmaxnreg budgets (same launch allocation as ``chunk_fwd_ws``: 256 x STATE_REGS +
@@ -64,12 +64,6 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
         T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
         T.async_copy(do[t0:t0 + C, h, :], do_s[s, :, :])
         T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
-
-    @T.macro
-    def store_state(out, dst, row, h):
-        """out[row, h] = dS (dS^T held in registers)."""
-        for i, j in T.Parallel(V, K):
-            out[row, h, j, i] = dst[i, j]
 
     @T.prim_func
     def chunk_bwd_dh_ws(
@@ -206,9 +200,9 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                     ss = r % SLOTS
                     if warmup:
                         if bos + c * C < out_eos:             # not a warm-up chunk
-                            store_state(dS1, dst, first_chunk + c, h)
+                            store_transposed(dS1, dst, first_chunk + c, h)
                     else:
-                        store_state(dS1, dst, first_chunk + c, h)
+                        store_transposed(dS1, dst, first_chunk + c, h)
                     for i, j in T.Parallel(V, K):
                         dst_b[i, j] = dst[i, j]
                     T.barrier_wait(full[ss], (r // SLOTS) % 2)
@@ -230,6 +224,6 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                         du_b[i, t] = -eg_s[ss, t] * du[i, t]                      # -(E dX)^T
                     T.gemm(du_b, k_s[ss, :, :], dst, policy=ROWS)                 # + .. K
                     T.barrier_arrive(empty[ss])
-                store_state(dh0, dst, n, h)
+                store_transposed(dh0, dst, n, h)
 
     return chunk_bwd_dh_ws

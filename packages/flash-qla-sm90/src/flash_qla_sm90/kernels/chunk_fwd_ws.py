@@ -40,7 +40,7 @@ transposed forward (``traits.FWD_AUX_WARPGROUP``).
 import tilelang
 import tilelang.language as T
 
-from .tile_ops import LOG2E, fetch_gates
+from .tile_ops import LOG2E, fetch_gates, store_transposed
 from .traits import CHUNK, PASS_CONFIGS, TARGET, WALK_UNROLL
 
 ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
@@ -112,12 +112,6 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
         T.async_copy(v[t0:t0 + C, h, :], v_s[s, :, :])
         T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
-
-    @T.macro
-    def store_state(h_out, st, row, h):
-        """h_out[row, h] = S (S^T held in registers)."""
-        for i, j in T.Parallel(V, K):
-            h_out[row, h, j, i] = st[i, j]
 
     @T.macro
     def store_o(o, ot, scale, t0, rows, h):
@@ -286,7 +280,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     ss = c % SLOTS
                     if store_h and warmup:
                         if t0 >= out_bos:                     # the segment's own chunks
-                            store_state(h_out, st, first_chunk + (t0 - out_bos) // C, h)
+                            store_transposed(h_out, st, first_chunk + (t0 - out_bos) // C, h)
                     elif store_h:
                         for i, j in T.Parallel(V, K):
                             h_out[first_chunk + c, h, j, i] = st[i, j]

@@ -6,6 +6,8 @@
 - ``zero_rows_past``: zero a shared tile's rows past the end of a sequence, so that NaN
   or Inf in padding (or in the next sequence's rows) never meets a GEMM as 0 * NaN.
 - ``search_walk_end``: where a bounded split's reverse walk ends (the dS sweeps).
+- ``store_transposed``: a [K, V] state (or state gradient) held transposed in registers
+  to its row of a ``[rows, H, K, V]`` tensor (the warp-specialised sweeps).
 """
 
 import math
@@ -79,3 +81,13 @@ def search_walk_end(g_cumsum, h, out_eos, eos, log_bound):
                         found = 1
                         walk_end = T.min(out_eos + (step * WALK_UNROLL + u + 1) * C, eos)
     return walk_end
+
+
+@T.macro
+def store_transposed(out, src_t, row, h):
+    """``out[row, h] = src_t^T``: ``src_t`` ``[V, K]`` (a state or state gradient kept
+    transposed in registers, as the warp-specialised sweeps hold it) to ``out``
+    ``[rows, H, K, V]``, casting to ``out``'s dtype."""
+    V, K = src_t.shape
+    for i, j in T.Parallel(V, K):
+        out[row, h, j, i] = src_t[i, j]
