@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
@@ -29,6 +31,17 @@ from .forward import (
     static_flags,
     total_chunks,
 )
+
+
+def _fp32_beta(backward):
+    """Run ``backward`` on beta converted to fp32 once (``[B, T, Hv]``: each of its three
+    kernel launches reads fp32 beta, and each would otherwise convert its own copy), and
+    return dbeta in the caller's beta dtype."""
+    @functools.wraps(backward)
+    def run(q, k, v, g_cumsum, beta, *args, **kwargs):
+        dq, dk, dv, dbeta, dg, dh0 = backward(q, k, v, g_cumsum, beta.float(), *args, **kwargs)
+        return dq, dk, dv, dbeta.to(beta.dtype), dg, dh0
+    return run
 
 
 def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
@@ -81,6 +94,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     return dS1, dh0
 
 
+@_fp32_beta
 def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
                      cu_seqlens, cu_seqlens_cpu, starts, ends):
     """``Kernels.bwd_warmup``: the backward of the bounded segment split
@@ -110,6 +124,7 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     return (*grads, dh0 if initial_state is not None else None)
 
 
+@_fp32_beta
 def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
               cu_seqlens_cpu, use_dh_kernel: bool | None = None,
               use_intra_kernel: bool | None = None):

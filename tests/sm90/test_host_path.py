@@ -1,0 +1,82 @@
+"""The sm90 host path on the CPU: every TileLang launch replaced by a no-op, so the torch
+ops a training step issues around its kernels can be counted without a GPU. Each copy
+there is a kernel launch on the GPU (~15 us of host time per launch on the H200 hosts),
+and at 8192 tokens a training step is host-bound (docs/perf-notes.md, v11)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("tilelang", reason="TileLang is not installed")
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside the ``with`` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def sm90_without_launches(monkeypatch):
+    """``flash_qla.chunk_gated_delta_rule`` on CPU tensors through the sm90 host path,
+    with every kernel builder returning a launcher that does nothing (132 SMs)."""
+    from flash_qla import api
+    from flash_qla_sm90.kernels import Sm90Kernels, backward, chunk_bwd_intra, forward
+
+    def builder(*static):
+        return lambda *args: None
+
+    for module, names in ((forward, ("chunk_fwd_kernel", "chunk_fwd_t_kernel",
+                                     "chunk_fwd_ws_kernel")),
+                          (backward, ("chunk_bwd_dh_kernel", "chunk_bwd_dh_ws_kernel")),
+                          (chunk_bwd_intra, ("chunk_bwd_intra_kernel",))):
+        for name in names:
+            monkeypatch.setattr(module, name, builder)
+    for table in (forward.TRANSPOSED_KERNELS, forward.PREPARE_KERNELS):
+        for name in list(table):
+            monkeypatch.setitem(table, name, builder)
+    monkeypatch.setattr(forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(backward, "_sm_count", lambda device: 132)
+    kernels = Sm90Kernels()
+    monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *others: (None, kernels))
+
+
+# 1 x 8192 at 4 heads: the bounded segment split (auto); 4 x 2048 at 16: unsplit
+@pytest.mark.parametrize("B, T, H", [(1, 8192, 4), (4, 2048, 16)])
+def test_training_step_converts_beta_once_per_pass(sm90_without_launches, B, T, H):
+    """bf16 beta becomes fp32 once in the forward and once in the backward (not once per
+    backward kernel), and dbeta goes back to bf16: three copies per step (after the first,
+    which fills the per-shape caches), nothing else."""
+    import flash_qla
+
+    dt = torch.bfloat16
+    q, k, v = (torch.randn(B, T, H, 128, dtype=dt, requires_grad=True) for _ in range(3))
+    g = (-torch.rand(B, T, H)).requires_grad_()
+    beta = torch.rand(B, T, H, dtype=dt, requires_grad=True)
+    h0 = torch.zeros(B, H, 128, 128, requires_grad=True)
+    leaves = (q, k, v, g, beta, h0)
+    do, dht = torch.randn(B, T, H, 128, dtype=dt), torch.randn(B, H, 128, 128)
+
+    def step():
+        o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                 output_final_state=True)
+        return torch.autograd.grad((o, ht), leaves, (do, dht))
+
+    step()                          # the first call fills the per-shape caches
+    count = _OpCount()
+    with count:
+        grads = step()
+    assert count.ops["aten._to_copy"] == 3, count.ops
+    assert count.ops["aten.copy_"] == 0, count.ops
+    assert [x.dtype for x in grads] == [x.dtype for x in leaves]
+    assert [x.shape for x in grads] == [x.shape for x in leaves]
