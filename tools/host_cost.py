@@ -9,8 +9,9 @@ last call's arguments replayed; ours only), and the top Python functions by own 
 autograd Function's ``backward`` called on this thread, where cProfile sees it: autograd
 runs a CUDA backward on its own device thread). ``--fwd-bwd``: the benchmark's training
 step (forward with grad + ``torch.autograd.grad``, as ``bench --mode bwd``'s fwd+bwd
-column), wall and GPU, ours or FlashQLA (cProfile sees the forward only: autograd's device
-thread runs the backward). usage: python tools/host_cost.py [--shapes 2/8@1x32768,...]
+column), wall, GPU and cProfile (on the device's Python 3.12 it lists the backward's
+functions too), ours or FlashQLA; no per-launch costs.
+usage: python tools/host_cost.py [--shapes 2/8@1x32768,...]
 [--impl flashqla --flashqla-path DIR] [--backward | --fwd-bwd]
 """
 
@@ -109,7 +110,7 @@ def main() -> None:
     ap.add_argument("--profile-top", type=int, default=25,
                     help="Python functions listed per shape, by own time (cProfile)")
     ap.add_argument("--impl", choices=["ours", "flashqla"], default="ours",
-                    help="flashqla: FlashQLA 0.1.3 from --flashqla-path (wall and GPU only)")
+                    help="flashqla: FlashQLA 0.1.3 from --flashqla-path (no per-launch costs)")
     ap.add_argument("--flashqla-path")
     ap.add_argument("--backward", action="store_true",
                     help="the backward of ours instead of the forward (wall, GPU, cProfile)")

@@ -49,23 +49,40 @@ def sm90_without_launches(monkeypatch):
     monkeypatch.setattr(backward, "_sm_count", lambda device: 132)
     kernels = Sm90Kernels()
     monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *others: (None, kernels))
+    ran = []                          # which backward each step took
+    for name in ("chunk_bwd", "chunk_bwd_warmup"):
+        monkeypatch.setattr(backward, name, _spy(getattr(backward, name), name, ran))
+    return ran
+
+
+def _spy(fn, name, calls):
+    def spied(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return spied
+
+
+def _inputs(B, T, H, requires_grad):
+    dt = torch.bfloat16
+    q, k, v = (torch.randn(B, T, H, 128, dtype=dt) for _ in range(3))
+    g = -torch.rand(B, T, H)
+    beta = torch.rand(B, T, H, dtype=dt)
+    h0 = torch.zeros(B, H, 128, 128)
+    leaves = tuple(x.requires_grad_(requires_grad) for x in (q, k, v, g, beta, h0))
+    return leaves, torch.randn(B, T, H, 128, dtype=dt), torch.randn(B, H, 128, 128)
 
 
 # 1 x 8192 at 4 heads: the bounded segment split (auto); 4 x 2048 at 16: unsplit
-@pytest.mark.parametrize("B, T, H", [(1, 8192, 4), (4, 2048, 16)])
-def test_training_step_converts_beta_once_per_pass(sm90_without_launches, B, T, H):
+@pytest.mark.parametrize("B, T, H, path", [(1, 8192, 4, "chunk_bwd_warmup"),
+                                           (4, 2048, 16, "chunk_bwd")])
+def test_training_step_converts_beta_once_per_pass(sm90_without_launches, B, T, H, path):
     """bf16 beta becomes fp32 once in the forward and once in the backward (not once per
-    backward kernel), and dbeta goes back to bf16: three copies per step (after the first,
-    which fills the per-shape caches), nothing else."""
+    backward kernel), and dbeta goes back to bf16: three dtype copies per step (after the
+    first, which fills the per-shape caches) and no in-place copies."""
     import flash_qla
 
-    dt = torch.bfloat16
-    q, k, v = (torch.randn(B, T, H, 128, dtype=dt, requires_grad=True) for _ in range(3))
-    g = (-torch.rand(B, T, H)).requires_grad_()
-    beta = torch.rand(B, T, H, dtype=dt, requires_grad=True)
-    h0 = torch.zeros(B, H, 128, 128, requires_grad=True)
-    leaves = (q, k, v, g, beta, h0)
-    do, dht = torch.randn(B, T, H, 128, dtype=dt), torch.randn(B, H, 128, 128)
+    leaves, do, dht = _inputs(B, T, H, requires_grad=True)
+    q, k, v, g, beta, h0 = leaves
 
     def step():
         o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
@@ -76,7 +93,23 @@ def test_training_step_converts_beta_once_per_pass(sm90_without_launches, B, T, 
     count = _OpCount()
     with count:
         grads = step()
+    assert sm90_without_launches == [path, path]
     assert count.ops["aten._to_copy"] == 3, count.ops
     assert count.ops["aten.copy_"] == 0, count.ops
-    assert [x.dtype for x in grads] == [x.dtype for x in leaves]
     assert [x.shape for x in grads] == [x.shape for x in leaves]
+
+
+@pytest.mark.parametrize("B, T, H", [(1, 8192, 4), (4, 2048, 16)])
+def test_low_level_backward_returns_dbeta_in_beta_dtype(sm90_without_launches, B, T, H):
+    """``chunk_gated_delta_rule_bwd`` (no autograd to cast for it) returns dbeta in beta's
+    dtype although the backward computes it from fp32 beta, and dg in fp32."""
+    import flash_qla
+
+    (q, k, v, g, beta, h0), do, dht = _inputs(B, T, H, requires_grad=False)
+    g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(q, k, v, g, beta,
+                                                                initial_state=h0)
+    dq, dk, dv, dbeta, dg, dh0 = flash_qla.chunk_gated_delta_rule_bwd(
+        q, k, v, g_cumsum, beta, A, do, dht, initial_state=h0)
+    assert sm90_without_launches == ["chunk_bwd"]       # the low level never splits
+    assert (dbeta.dtype, dbeta.shape) == (beta.dtype, beta.shape)
+    assert (dg.dtype, dq.dtype, dv.dtype) == (torch.float32, q.dtype, v.dtype)

@@ -38,14 +38,17 @@ straight into their operands when they come in q's dtype), P and Ag are formed w
 the rest lands, and independent GEMMs are issued in pairs (``T.wgmma_gemm``) and waited
 for where their results are read.
 
-Reductions are batched (``T.reduce_sum(..., batch=)``: every row or column a thread
-owns in one cross-warpgroup exchange, one barrier pair instead of one per element;
-Nsight Compute had barrier waits at 1.25 of 8.2 stall cycles per instruction).
+Reductions are batched (``T.reduce_sum(..., batch=)``: the row sums a thread owns in
+one cross-warpgroup exchange, its column sums in two, one barrier pair per exchange
+instead of one per element; Nsight Compute had barrier waits at 1.25 of 8.2 stall cycles
+per instruction). Each reduction gets its own shared workspace (threads x batch x 4 B):
+a larger batch can push the kernel past the 227 KB limit.
 
-Resources (sm_90a, K = V = 128, 256 threads): about 216 KB of shared memory (S0 and dS1
-as dtype operands, 32 KB each; TileLang overlaps buffers whose lifetimes are disjoint),
-so one CTA per SM; 255 registers, no spills. The ``<S0, dS1>`` row sums (K of them) are
-folded onto the C rows of the final reduction, which needs K = 2 C.
+Resources (sm_90a, K = V = 128, 256 threads): 228,608 B of shared memory, 3.8 KB under
+sm_90's 232,448 (S0 and dS1 as dtype operands, 32 KB each; TileLang overlaps buffers
+whose lifetimes are disjoint), so one CTA per SM; 255 registers, no spills. The
+``<S0, dS1>`` row sums (K of them) are folded onto the C rows of the final reduction,
+which needs K = 2 C.
 """
 
 import tilelang
