@@ -94,15 +94,6 @@ def _backward_call(impl, a: dict, inp: dict):
     return backward
 
 
-def _fwd_bwd_call(impl, a: dict, inp: dict):
-    """The benchmark's training step: forward with grad, then the gradients of every leaf
-    (``benchmark/common.py``'s fwd+bwd timing)."""
-    def step():
-        o, final_state = impl.canon(impl.call(a), a)
-        return torch.autograd.grad((o, final_state), impl.leaves(a), (inp["do"], inp["dht"]))
-    return step
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="2/8@1x32768,2/8@1x8192,16/16@1x32768,16/16@4x8192",
@@ -137,16 +128,16 @@ def main() -> None:
         recorders["prepare"] = forward.PREPARE_KERNELS[name] = _Recorder(
             forward.PREPARE_KERNELS[name])
     rows, profiles = [], {}
+    grads = args.backward or args.fwd_bwd
     for spec in args.shapes.split(","):
         shape = C.Shape.from_key(f"fwd:{spec}")
-        grads = args.backward or args.fwd_bwd
         inp = C.make_inputs(shape, "model", 0, "cuda", with_grads=grads)
         a = impl.prepare(inp, ctx)
         a_grad = impl.prepare(inp, ctx, requires_grad=True)
         if args.backward:
             call = _backward_call(impl, a_grad, inp)
         elif args.fwd_bwd:
-            call = _fwd_bwd_call(impl, a_grad, inp)
+            call = functools.partial(impl.fwd_bwd, a_grad, inp)
         else:
             call = functools.partial(impl.call, a)
         for _ in range(5):
