@@ -167,46 +167,48 @@ def _ptxas_report(src: str, tmp_path) -> str:
     return out.stdout + out.stderr
 
 
-def _variant(name: str) -> tuple:
-    """``(builder, args)`` of a kernel variant the tests below compile, by name (bf16,
-    K = V = 128; ``_h``: stores h)."""
-    from flash_qla_sm90.kernels.chunk_bwd_dh import chunk_bwd_dh_kernel
-    from flash_qla_sm90.kernels.chunk_bwd_dh_ws import chunk_bwd_dh_ws_kernel
-    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_bwd_intra_kernel
-    from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_t import chunk_fwd_t_kernel
-    from flash_qla_sm90.kernels.chunk_fwd_ws import chunk_fwd_ws_kernel
-    from flash_qla_sm90.kernels.chunk_prepare import (
-        chunk_prepare_blocked_kernel,
-        chunk_prepare_kernel,
-    )
+_DIMS = ("bfloat16", 128, 128)
+# name -> (module of flash_qla_sm90.kernels, builder, static args): bf16, K = V = 128;
+# ``_h``: stores h
+_VARIANTS = {
+    "prepare": ("chunk_prepare", "chunk_prepare_kernel", ("bfloat16", 128)),
+    "prepare_blocked": ("chunk_prepare", "chunk_prepare_blocked_kernel", ("bfloat16", 128)),
+    "fwd": ("chunk_fwd", "chunk_fwd_kernel", (*_DIMS, True, True)),
+    "fwd_wide": ("chunk_fwd", "chunk_fwd_kernel", (*_DIMS, True, True, 128)),   # BLOCK_V 128
+    "fwd_t": ("chunk_fwd_t", "chunk_fwd_t_kernel", (*_DIMS, True, False)),
+    "fwd_t_h": ("chunk_fwd_t", "chunk_fwd_t_kernel", (*_DIMS, True, True)),
+    "fwd_ws": ("chunk_fwd_ws", "chunk_fwd_ws_kernel", (*_DIMS, False, False)),
+    "fwd_ws_h": ("chunk_fwd_ws", "chunk_fwd_ws_kernel", (*_DIMS, True, True)),
+    "fwd_ws_warmup": ("chunk_fwd_ws", "chunk_fwd_ws_kernel", (*_DIMS, True, False, True)),
+    "fwd_ws_warmup_h": ("chunk_fwd_ws", "chunk_fwd_ws_kernel", (*_DIMS, True, True, True)),
+    "fwd_ws_warmup_h_dtype": ("chunk_fwd_ws", "chunk_fwd_ws_kernel",
+                              (*_DIMS, True, True, True, True)),
+    "fwd_ws_states": ("chunk_fwd_ws", "chunk_fwd_ws_kernel",
+                      (*_DIMS, True, True, False, False, True)),
+    "fwd_ws_warmup_states_dtype": ("chunk_fwd_ws", "chunk_fwd_ws_kernel",
+                                   (*_DIMS, True, True, True, True, True)),
+    "bwd_dh": ("chunk_bwd_dh", "chunk_bwd_dh_kernel", (*_DIMS, True)),
+    "bwd_dh_warmup": ("chunk_bwd_dh", "chunk_bwd_dh_kernel", (*_DIMS, True, 64, True)),
+    "bwd_dh_warmup_dtype": ("chunk_bwd_dh", "chunk_bwd_dh_kernel",
+                            (*_DIMS, True, 64, True, True)),
+    "bwd_dh_ws": ("chunk_bwd_dh_ws", "chunk_bwd_dh_ws_kernel", (*_DIMS, True)),
+    "bwd_dh_ws_warmup": ("chunk_bwd_dh_ws", "chunk_bwd_dh_ws_kernel", (*_DIMS, True, True)),
+    "bwd_dh_ws_warmup_dtype": ("chunk_bwd_dh_ws", "chunk_bwd_dh_ws_kernel",
+                               (*_DIMS, True, True, True)),
+    "bwd_intra": ("chunk_bwd_intra", "chunk_bwd_intra_kernel", _DIMS),
+    "bwd_intra_dtype": ("chunk_bwd_intra", "chunk_bwd_intra_kernel", (*_DIMS, True)),
+    "bwd_intra_states_dtype": ("chunk_bwd_intra", "chunk_bwd_intra_kernel",
+                               (*_DIMS, True, True)),
+}
 
-    dims = ("bfloat16", 128, 128)
-    return {
-        "prepare": (chunk_prepare_kernel, ("bfloat16", 128)),
-        "prepare_blocked": (chunk_prepare_blocked_kernel, ("bfloat16", 128)),
-        "fwd": (chunk_fwd_kernel, (*dims, True, True)),
-        "fwd_wide": (chunk_fwd_kernel, (*dims, True, True, 128)),       # BLOCK_V 128
-        "fwd_t": (chunk_fwd_t_kernel, (*dims, True, False)),
-        "fwd_t_h": (chunk_fwd_t_kernel, (*dims, True, True)),
-        "fwd_ws": (chunk_fwd_ws_kernel, (*dims, False, False)),
-        "fwd_ws_h": (chunk_fwd_ws_kernel, (*dims, True, True)),
-        "fwd_ws_warmup": (chunk_fwd_ws_kernel, (*dims, True, False, True)),
-        "fwd_ws_warmup_h": (chunk_fwd_ws_kernel, (*dims, True, True, True)),
-        "fwd_ws_warmup_h_dtype": (chunk_fwd_ws_kernel, (*dims, True, True, True, True)),
-        "fwd_ws_states": (chunk_fwd_ws_kernel, (*dims, True, True, False, False, True)),
-        "fwd_ws_warmup_states_dtype": (chunk_fwd_ws_kernel,
-                                       (*dims, True, True, True, True, True)),
-        "bwd_dh": (chunk_bwd_dh_kernel, (*dims, True)),
-        "bwd_dh_warmup": (chunk_bwd_dh_kernel, (*dims, True, 64, True)),
-        "bwd_dh_warmup_dtype": (chunk_bwd_dh_kernel, (*dims, True, 64, True, True)),
-        "bwd_dh_ws": (chunk_bwd_dh_ws_kernel, (*dims, True)),
-        "bwd_dh_ws_warmup": (chunk_bwd_dh_ws_kernel, (*dims, True, True)),
-        "bwd_dh_ws_warmup_dtype": (chunk_bwd_dh_ws_kernel, (*dims, True, True, True)),
-        "bwd_intra": (chunk_bwd_intra_kernel, dims),
-        "bwd_intra_dtype": (chunk_bwd_intra_kernel, (*dims, True)),
-        "bwd_intra_states_dtype": (chunk_bwd_intra_kernel, (*dims, True, True)),
-    }[name]
+
+def _variant(name: str) -> tuple:
+    """``(builder, args)`` of a kernel variant the tests below compile, by name (the
+    kernel module is imported here, not at collection)."""
+    import importlib
+
+    module, builder, args = _VARIANTS[name]
+    return getattr(importlib.import_module(f"flash_qla_sm90.kernels.{module}"), builder), args
 
 
 @pytest.mark.parametrize("kernel", ["fwd_t", "fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_dh",
@@ -282,12 +284,8 @@ def _global_accesses(src: str):
     return found
 
 
-# every variant the module compiles (each once: the cache is per module)
-_ALL_VARIANTS = ["prepare", "prepare_blocked", "fwd", "fwd_wide", "fwd_t", "fwd_t_h", "fwd_ws",
-                 "fwd_ws_h", "fwd_ws_warmup", "fwd_ws_warmup_h", "bwd_dh", "bwd_dh_warmup",
-                 "bwd_intra", "bwd_intra_dtype", "fwd_ws_warmup_h_dtype", "bwd_dh_warmup_dtype",
-                 "bwd_intra_states_dtype", "bwd_dh_ws", "bwd_dh_ws_warmup",
-                 "bwd_dh_ws_warmup_dtype", "fwd_ws_states", "fwd_ws_warmup_states_dtype"]
+# every variant above (each compiled once: the cache is per module)
+_ALL_VARIANTS = list(_VARIANTS)
 
 
 @pytest.mark.parametrize("kernel", _ALL_VARIANTS)
