@@ -24,7 +24,8 @@
 #             shape, each config timed FLA_TUNE_REP_MS, default 20 ms, not Triton's 100)
 #   host      tools/host_cost.py on HOST_SHAPES (host wall per eager call, each TileLang
 #             launch alone, cProfile); with the FlashQLA peer in the bundle, its wall too;
-#             HOST_ARGS: more options (--backward: ours only; --fwd-bwd: the training step)
+#             HOST_ARGS: more options (--backward: ours only; --fwd-bwd: the training step);
+#             HOST_TRACE=1: the torch profiler's timelines too (trace-<impl>/*.json.gz)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
 #             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists);
 #             NCU_SOURCE=1 adds the stall samples per SASS instruction (ncu-sass.csv);
@@ -116,9 +117,11 @@ if has seg; then
 fi
 if has host; then
   HS=${HOST_SHAPES:-2/8@1x32768,2/8@1x8192,16/16@1x32768}
-  timeout "$(cap 90)" python3 tools/host_cost.py --shapes "$HS" ${HOST_ARGS:-} > "$R/host-ours.txt" 2>&1
+  timeout "$(cap 90)" python3 tools/host_cost.py --shapes "$HS" ${HOST_ARGS:-} \
+    ${HOST_TRACE:+--trace "$R/trace-ours"} > "$R/host-ours.txt" 2>&1
   if [ -n "$FQ" ] && [[ "${HOST_ARGS:-}" != *--backward* ]]; then
     timeout "$(cap 90)" python3 tools/host_cost.py --impl flashqla $FQ --shapes "$HS" ${HOST_ARGS:-} \
+      ${HOST_TRACE:+--trace "$R/trace-flashqla"} \
       > "$R/host-flashqla.txt" 2>&1
   fi
 fi

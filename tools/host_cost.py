@@ -10,9 +10,12 @@ autograd Function's ``backward`` called on this thread, where cProfile sees it: 
 runs a CUDA backward on its own device thread). ``--fwd-bwd``: the benchmark's training
 step (forward with grad + ``torch.autograd.grad``, as ``bench --mode bwd``'s fwd+bwd
 column), wall, GPU and cProfile (on the device's Python 3.12 it lists the backward's
-functions too), ours or FlashQLA; no per-launch costs.
+functions too), ours or FlashQLA; no per-launch costs. ``--trace DIR``: also the torch
+profiler's timeline of 10 calls per shape (CPU ops, CUDA runtime / driver calls, kernels
+and the Python functions that issue them), ``DIR/<shape>.json.gz`` for chrome://tracing
+or Perfetto, and its ops by host time.
 usage: python tools/host_cost.py [--shapes 2/8@1x32768,...]
-[--impl flashqla --flashqla-path DIR] [--backward | --fwd-bwd]
+[--impl flashqla --flashqla-path DIR] [--backward | --fwd-bwd] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gzip
 import io
 import pstats
 import sys
@@ -78,6 +82,22 @@ def _launch_costs(recorders: dict) -> dict:
     return out
 
 
+def _trace(call, path: Path, top: int, iters: int = 10) -> str:
+    """The torch profiler's timeline of ``iters`` calls (Python stacks on), written
+    gzipped to ``path``; returns its ops by own host time (``top`` rows)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    raw = path.with_suffix("")                       # <shape>.json, then gzipped
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
+        g.write(f.read())
+    raw.unlink()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
 def _backward_call(impl, a: dict, inp: dict):
     """The backward of ours on a kept forward, as a plain call on this thread:
     ``_ChunkGatedDeltaRule.backward(ctx, do, dht)`` with the forward's own node as ctx."""
@@ -107,6 +127,8 @@ def main() -> None:
                     help="the backward of ours instead of the forward (wall, GPU, cProfile)")
     ap.add_argument("--fwd-bwd", action="store_true",
                     help="the training step (forward + autograd.grad) instead of the forward")
+    ap.add_argument("--trace", type=Path,
+                    help="folder for the torch profiler's timeline of each shape (json.gz)")
     args = ap.parse_args()
     if args.backward and args.fwd_bwd:
         ap.error("--backward and --fwd-bwd time different calls: pass one of them")
@@ -163,6 +185,11 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile_top)
         profiles[spec] = s.getvalue()
+        if args.trace:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            name = spec.replace("/", "-").replace("@", "_")
+            profiles[f"{spec} (torch profiler, 10 calls)"] = _trace(
+                call, args.trace / f"{name}.json.gz", args.profile_top)
     for spec, text in profiles.items():
         print(f"### cProfile (200 calls), {spec}\n{text}")
     print(tabulate([{k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in r.items()}
