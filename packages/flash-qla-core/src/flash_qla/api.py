@@ -159,6 +159,16 @@ def _contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if x is None else x.contiguous() for x in tensors]
 
 
+def _kernel_beta(kernels, beta: torch.Tensor) -> torch.Tensor:
+    """beta ``[B, T, Hv]`` in the dtype the backend's kernels read it in
+    (``Kernels.beta_dtype``, optional), for the autograd Function: converted once for
+    the forward and the saved tensor the backward reads, instead of once in each (a
+    copy launch each); autograd hands dbeta back in the caller's dtype. An upcast
+    (bf16 / fp16 to fp32) is exact: the kernels read the same values."""
+    dtype = getattr(kernels, "beta_dtype", None)
+    return beta if dtype is None or beta.dtype == dtype else beta.to(dtype)
+
+
 # --------------------------------------------------------------------------------------
 # Pre- and post-passes (differentiable torch ops around the autograd Function)
 # --------------------------------------------------------------------------------------
@@ -251,6 +261,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state,
                 cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound):
         q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+        beta = _kernel_beta(kernels, beta)             # once for the forward and backward
         g_cumsum, A, o, final_state = _forward(
             q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
             cu_seqlens_cpu, kernels, segment_len, shortcut_bound)

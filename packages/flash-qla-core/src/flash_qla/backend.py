@@ -64,6 +64,10 @@ class Kernels(Protocol):
     # ``fwd`` without its prepare, from the g_cumsum and A that ``fwd`` returned for the
     # same tokens and chunk boundaries (the segment split reuses them in its later passes;
     # without it, every pass recomputes them).
+    # Optional: ``beta_dtype``, a torch dtype: the dtype the kernels read beta in; the
+    # autograd Function converts beta to it once per training step (the forward and the
+    # backward then receive it) instead of each pass converting its own copy. Only for
+    # exact upcasts (bf16 / fp16 to fp32).
     # Optional: ``plan_segment_len(bounds, Hv, K, V, device, bounded) -> int | None``,
     # the backend's automatic segment-parallelism choice from host sequence offsets
     # ``bounds`` ``[N + 1]`` (None: no split) for the bounded split (``bounded``) or the

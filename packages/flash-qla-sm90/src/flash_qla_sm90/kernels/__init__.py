@@ -15,9 +15,14 @@ not compile.
 
 from __future__ import annotations
 
+import torch
+
 
 class Sm90Kernels:
     """The :class:`flash_qla.backend.Kernels` of the Hopper backend."""
+
+    #: every kernel reads beta in fp32 (``flash_qla.backend.Kernels``, optional)
+    beta_dtype = torch.float32
 
     def fwd(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
             output_final_state, output_h):

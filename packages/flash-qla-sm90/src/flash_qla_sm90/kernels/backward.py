@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,7 @@ from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
 from . import traits
 from .chunk_bwd_dh import chunk_bwd_dh_kernel
 from .chunk_bwd_dh_ws import chunk_bwd_dh_ws_kernel
+from .chunk_layout import ChunkLayout
 from .forward import (
     _DTYPE_NAMES,
     _fused,
@@ -31,6 +33,7 @@ from .forward import (
     static_flags,
     total_chunks,
 )
+from .launch import launcher
 
 
 def _fp32_beta(backward):
@@ -44,16 +47,37 @@ def _fp32_beta(backward):
     return run
 
 
+class Packed(NamedTuple):
+    """A backward's inputs as its kernels read them, made once per backward (each of its
+    three launches reads them; packing costs host time per tensor): ``[Tt, ...]``
+    contiguous (Tt = B T), g_cumsum and beta fp32, and the call's chunk layout."""
+    q: torch.Tensor                      # [Tt, Hk, K]
+    k: torch.Tensor                      # [Tt, Hk, K]
+    v: torch.Tensor | None               # [Tt, Hv, V]
+    g_cumsum: torch.Tensor               # [Tt, Hv] fp32
+    beta: torch.Tensor                   # [Tt, Hv] fp32
+    A: torch.Tensor                      # [Tt, Hv, C]
+    do: torch.Tensor | None              # [Tt, Hv, V]
+    layout: ChunkLayout
+
+
+def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens) -> Packed:
+    """:class:`Packed` from ``Kernels.bwd``'s ``[B, T, ...]`` tensors (``v`` or ``do``
+    None: a launch that does not read it)."""
+    return Packed(_packed(q), _packed(k), None if v is None else _packed(v),
+                  _packed(g_cumsum, torch.float32), _packed(beta, torch.float32), _packed(A),
+                  None if do is None else _packed(do), layout_for(q, cu_seqlens))
+
+
 def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
-                 cu_seqlens_cpu):
+                 cu_seqlens_cpu, packed: Packed | None = None):
     """Chunk-start states h ``[NT, Hv, K, V]`` fp32 from the forward's saved g_cumsum and
     A (the fused kernel alone; ``chunk_fwd_ws`` skips o, the others compute and drop
-    it)."""
-    layout = layout_for(q, cu_seqlens)
-    return _fused(_packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
-                  _packed(beta, torch.float32), _packed(A), layout, scale=scale,
+    it). ``packed``: the same inputs already packed (:func:`pack`)."""
+    p = packed or pack(q, k, v, g_cumsum, beta, A, None, cu_seqlens)
+    return _fused(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
                   initial_state=initial_state, alloc=torch.empty,
-                  num_chunks=total_chunks(layout, cu_seqlens_cpu), states_only=True)[2]
+                  num_chunks=total_chunks(p.layout, cu_seqlens_cpu), states_only=True)[2]
 
 
 def dh_aux_warpgroup(K: int, V: int) -> bool:
@@ -63,14 +87,16 @@ def dh_aux_warpgroup(K: int, V: int) -> bool:
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu,
-                ends=None, ds1_in_dtype: bool = False):
+                ends=None, ds1_in_dtype: bool = False, packed: Packed | None = None):
     """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32.
     With ``ends`` (``flash_qla.segments.WalkEnds``, ``cu_seqlens`` the segments): the
     bounded split's sweep (the sweep kernel with ``warmup``, which searches each walk's
     end itself), dh0 per segment; there ``ds1_in_dtype`` stores dS1 in q's dtype
-    instead of fp32. The kernel: :func:`dh_aux_warpgroup`."""
+    instead of fp32. The kernel: :func:`dh_aux_warpgroup`. ``packed``: the same inputs
+    already packed (:func:`pack`)."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
-    layout = layout_for(q, cu_seqlens)
+    p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens)
+    layout = p.layout
     warmup = ends is not None
     if ds1_in_dtype and not warmup:
         raise ValueError("ds1_in_dtype: only the bounded split's sweep (ends) stores "
@@ -82,14 +108,13 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     walks = _walk_args(ends, q.device)
     flags = static_flags(warmup, ds1_in_dtype)          # the shipped cache's exact keys
     if dh_aux_warpgroup(K, V):
-        kernel = chunk_bwd_dh_ws_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *flags)
+        kernel = launcher(chunk_bwd_dh_ws_kernel, _DTYPE_NAMES[q.dtype], K, V, has_dht, *flags)
     else:
         # the forward's tiling rule, narrow or default (the sweep has no wide variant)
         tiling = fused_tiling(layout.num_seqs, Hv, V, _sm_count(q.device), wide=False)
         statics = (tiling[0] if tiling else traits.BLOCK_V, *flags) if warmup else tiling[:1]
-        kernel = chunk_bwd_dh_kernel(_DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)
-    kernel(_packed(q), _packed(k), _packed(do), _packed(g_cumsum, torch.float32),
-           _packed(beta, torch.float32), _packed(A), layout.cu_seqlens, layout.chunk_offsets,
+        kernel = launcher(chunk_bwd_dh_kernel, _DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)
+    kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0, *walks)
     return dS1, dh0
 
@@ -110,17 +135,16 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     from .chunk_bwd_intra import chunk_grads
 
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    layout = layout_for(q, cu_seqlens)
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
     _, _, h = _fused(
-        _packed(q), _packed(k), _packed(v), _packed(g_cumsum, torch.float32),
-        _packed(beta, torch.float32), _packed(A), layout, scale=scale,
+        p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
         initial_state=initial_state, alloc=torch.empty,     # o: not computed
-        num_chunks=total_chunks(layout, cu_seqlens_cpu), walks=starts,
+        num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=starts,
         h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)        # h [NT,Hv,K,V]
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
-                           ds1_in_dtype=traits.BWD_STATES_IN_DTYPE,
+                           ds1_in_dtype=traits.BWD_STATES_IN_DTYPE, packed=p,
                            **common)
-    grads = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, **common)
+    grads = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, packed=p, **common)
     return (*grads, dh0 if initial_state is not None else None)
 
 
@@ -136,14 +160,16 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
     if use_intra_kernel is None:
         use_intra_kernel = traits.BWD_INTRA_KERNEL
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, **common)
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
+    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
+                     **common)
     dS1 = dh0 = None
     if use_dh_kernel:
-        dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
+        dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p, **common)
         if use_intra_kernel:
             from .chunk_bwd_intra import chunk_grads
 
-            grads = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, **common)
+            grads = chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, packed=p, **common)
             return (*grads, dh0 if initial_state is not None else None)
     return chunk_gated_delta_rule_bwd_parallel(
         q, k, v, g_cumsum, beta, A, do, h, dht=dht, initial_state=initial_state,

@@ -381,13 +381,15 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
     return chunk_bwd_intra
 
 
-def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu_seqlens_cpu):
+def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu_seqlens_cpu,
+                packed=None):
     """Every per-chunk gradient on the GPU, given the chunk states.
 
     Args (``Kernels.bwd`` shapes): q, k ``[B, T, Hk, K]``; v, do ``[B, T, Hv, V]``;
     g_cumsum, beta ``[B, T, Hv]``; A ``[B, T, Hv, C]``; h (chunk-start states) and dS1
     (state gradient at each chunk's end) ``[NT, Hv, K, V]`` fp32 in chunk order;
-    cu_seqlens / cu_seqlens_cpu ``[N + 1]`` or None (dense).
+    cu_seqlens / cu_seqlens_cpu ``[N + 1]`` or None (dense); ``packed``: the same
+    inputs already packed (``backward.Packed``; q, k, v, do, A in q's dtype).
 
     Returns ``(dq, dk, dv, dbeta, dg)`` like
     :func:`flash_qla.chunk_parallel.chunk_gated_delta_rule_bwd_parallel`: dq, dk
@@ -400,11 +402,12 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     from flash_qla.reference import _reduce_heads
 
     from .forward import _DTYPE_NAMES, _packed, _zero_padding_rows, layout_for, static_flags
+    from .launch import launcher
 
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
     Tt, dt = B * T, q.dtype
-    layout = layout_for(q, cu_seqlens)
+    layout = packed.layout if packed else layout_for(q, cu_seqlens)
     NT = h.numel() // (Hv * K * V)
     zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
     alloc = torch.zeros if zero else torch.empty
@@ -419,9 +422,11 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     if NT > 0:
         statics = static_flags(in_dtype, states_in_dtype)
-        chunk_bwd_intra_kernel(_DTYPE_NAMES[dt], K, V, *statics)(
-            _packed(q), _packed(k, dt), _packed(v, dt), _packed(do, dt),
-            _packed(g_cumsum, torch.float32), _packed(beta, torch.float32), _packed(A, dt),
+        q_p, k_p, v_p, g_p, beta_p, A_p, do_p = packed[:7] if packed else (
+            _packed(q), _packed(k, dt), _packed(v, dt), _packed(g_cumsum, torch.float32),
+            _packed(beta, torch.float32), _packed(A, dt), _packed(do, dt))
+        launcher(chunk_bwd_intra_kernel, _DTYPE_NAMES[dt], K, V, *statics)(
+            q_p, k_p, v_p, do_p, g_p, beta_p, A_p,
             h.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             dS1.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             layout.cu_seqlens, layout.chunk_offsets, layout.chunk_idx, float(scale),

@@ -15,6 +15,7 @@ from .chunk_fwd_t import chunk_fwd_t_kernel
 from .chunk_fwd_ws import chunk_fwd_ws_kernel
 from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
 from .chunk_prepare import PREPARE_KERNELS
+from .launch import launcher
 from .traits import CHUNK
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -144,7 +145,15 @@ def fused_plan(num_seqs: int, Hv: int, K: int, V: int, sm_count: int,
     pairs, and its predicted us per chunk of the whole grid: the transposed forward's
     name (:func:`transposed_kernel`; one CTA per pair) when ``traits.FWD_TRANSPOSED`` is
     on, K = V = 128 and it is cheaper than every enabled ``chunk_fwd`` tiling, else that
-    cheapest tiling's arguments (:func:`fused_tiling`)."""
+    cheapest tiling's arguments (:func:`fused_tiling`). Cached per arguments and
+    ``traits.revision`` (every eager forward and backward asks: ~10 us of Python)."""
+    return _fused_plan(num_seqs, Hv, K, V, sm_count, traits.revision)
+
+
+@functools.lru_cache(maxsize=256)
+def _fused_plan(num_seqs: int, Hv: int, K: int, V: int, sm_count: int,
+                traits_revision: int) -> tuple[tuple | str, float]:
+    """:func:`fused_plan`, uncached."""
     tiling, cost = _best_tiling(num_seqs, Hv, V, sm_count, None, None)
     if traits.FWD_TRANSPOSED and (K, V) == (128, 128):
         us = traits.FWD_CHUNK_US_TRANSPOSED[transposed_kernel()]
@@ -323,7 +332,7 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
          if store_h else _no_h(q.device, Hv, K, V))
     dtype = _DTYPE_NAMES[q.dtype]
     if walks is not None:                                # the bounded split
-        kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h, *static_flags(
+        kernel = launcher(chunk_fwd_ws_kernel, dtype, K, V, has_h0, store_h, *static_flags(
             True, h_in_dtype and store_h, states_only and store_h))
         extra = _walk_args(walks, q.device)
     else:
@@ -331,12 +340,12 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
             tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
         extra = _walk_args(None, q.device) if tiling == "ws" else ()   # ws only: unread
         if tiling == "ws" and states_only and store_h:
-            kernel = chunk_fwd_ws_kernel(dtype, K, V, has_h0, store_h,
-                                         *static_flags(False, False, states_only))
+            kernel = launcher(chunk_fwd_ws_kernel, dtype, K, V, has_h0, store_h,
+                              *static_flags(False, False, states_only))
         elif tiling in TRANSPOSED_KERNELS:
-            kernel = TRANSPOSED_KERNELS[tiling](dtype, K, V, has_h0, store_h)
+            kernel = launcher(TRANSPOSED_KERNELS[tiling], dtype, K, V, has_h0, store_h)
         else:
-            kernel = chunk_fwd_kernel(dtype, K, V, has_h0, store_h, *tiling)
+            kernel = launcher(chunk_fwd_kernel, dtype, K, V, has_h0, store_h, *tiling)
     kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
         h0, float(scale), o, final_state, h, *extra)
@@ -388,7 +397,7 @@ def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu):
     Tt, Hv = beta_p.shape
     g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
     A = alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
-    prepare_kernel()(_DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
+    launcher(prepare_kernel(), _DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
         k_p, _packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
         g_cumsum, A)
     return layout, alloc, k_p, beta_p, g_cumsum, A
