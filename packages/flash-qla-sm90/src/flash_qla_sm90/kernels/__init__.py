@@ -10,7 +10,8 @@ the blocked fp16-WGMMA kernel by default, the fp32 substitution kernel as fallba
 per-chunk gradient) and ``backward`` (their orchestration) are the backward's. ``tile_ops``
 holds the tile steps they share, ``traits`` the static configuration. ``kernel_cache``
 seeds TileLang's cache with the kernels compiled at build time, so the first call does
-not compile.
+not compile; ``launch`` keeps one launcher per compiled configuration (the least host
+work per launch).
 """
 
 from __future__ import annotations
