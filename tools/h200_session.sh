@@ -25,7 +25,8 @@
 #   host      tools/host_cost.py on HOST_SHAPES (host wall per eager call, each TileLang
 #             launch alone, cProfile); with the FlashQLA peer in the bundle, its wall too;
 #             HOST_ARGS: more options (--backward: ours only; --fwd-bwd: the training step);
-#             HOST_TRACE=1: the torch profiler's timelines too (trace-<impl>/*.json.gz)
+#             HOST_TRACE (any non-empty value): the torch profiler's timelines too
+#             (trace-<impl>/*.json.gz)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
 #             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists);
 #             NCU_SOURCE=1 adds the stall samples per SASS instruction (ncu-sass.csv);

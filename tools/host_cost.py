@@ -63,12 +63,14 @@ class _Recorder:
         functools.update_wrapper(self, builder)
 
     def __call__(self, *static):
-        kernel = self.builder(*static)
+        from flash_qla_sm90.kernels.launch import _direct
 
-        def launch(*args):
+        kernel = _direct(self.builder(*static))            # what the launcher would call
+
+        def record(*args):
             self.last = (kernel, args)
             return kernel(*args)
-        return launch
+        return record
 
 
 def _launch_costs(recorders: dict) -> dict:
@@ -144,6 +146,7 @@ def main() -> None:
     recorders = {}
     if args.impl == "ours" and not (args.backward or args.fwd_bwd):
         from flash_qla_sm90.kernels import forward
+        from flash_qla_sm90.kernels.launch import launcher
 
         recorders["ws"] = forward.chunk_fwd_ws_kernel = _Recorder(forward.chunk_fwd_ws_kernel)
         name = forward.prepare_kernel_name()
@@ -171,10 +174,11 @@ def main() -> None:
         row["gpu us"] = _gpu_us(call)
         row.update(_launch_costs(recorders))
         if recorders:
-            row["ws builder us"] = _wall_us(functools.partial(
-                recorders["ws"].builder, "bfloat16", 128, 128, True, False, True))
-            row["prepare builder us"] = _wall_us(
-                functools.partial(recorders["prepare"].builder, "bfloat16", 128))
+            row["ws launcher lookup us"] = _wall_us(functools.partial(
+                launcher, recorders["ws"].builder, "bfloat16", 128, 128, True, False,
+                True))
+            row["prepare launcher lookup us"] = _wall_us(functools.partial(
+                launcher, recorders["prepare"].builder, "bfloat16", 128))
         rows.append(row)
         prof = cProfile.Profile()
         prof.enable()
@@ -188,10 +192,11 @@ def main() -> None:
         if args.trace:
             args.trace.mkdir(parents=True, exist_ok=True)
             name = spec.replace("/", "-").replace("@", "_")
-            profiles[f"{spec} (torch profiler, 10 calls)"] = _trace(
+            profiles[f"{spec}: torch profiler, 10 calls"] = _trace(
                 call, args.trace / f"{name}.json.gz", args.profile_top)
     for spec, text in profiles.items():
-        print(f"### cProfile (200 calls), {spec}\n{text}")
+        head = spec if "torch profiler" in spec else f"cProfile (200 calls), {spec}"
+        print(f"### {head}\n{text}")
     print(tabulate([{k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in r.items()}
                     for r in rows], headers="keys"))
 

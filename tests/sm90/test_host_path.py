@@ -31,7 +31,7 @@ def sm90_without_launches(monkeypatch):
     """``flash_qla.chunk_gated_delta_rule`` on CPU tensors through the sm90 host path,
     with every kernel builder returning a launcher that does nothing (132 SMs)."""
     from flash_qla import api
-    from flash_qla_sm90.kernels import Sm90Kernels, backward, chunk_bwd_intra, forward
+    from flash_qla_sm90.kernels import Sm90Kernels, backward, chunk_bwd_intra, forward, launch
 
     def builder(*static):
         return lambda *args: None
@@ -45,6 +45,7 @@ def sm90_without_launches(monkeypatch):
     for table in (forward.TRANSPOSED_KERNELS, forward.PREPARE_KERNELS):
         for name in list(table):
             monkeypatch.setitem(table, name, builder)
+    monkeypatch.setattr(launch, "_LAUNCHERS", {})        # the stubs' launchers die here
     monkeypatch.setattr(forward, "_sm_count", lambda device: 132)
     monkeypatch.setattr(backward, "_sm_count", lambda device: 132)
     kernels = Sm90Kernels()

@@ -163,10 +163,13 @@ def _kernel_beta(kernels, beta: torch.Tensor) -> torch.Tensor:
     """beta ``[B, T, Hv]`` in the dtype the backend's kernels read it in
     (``Kernels.beta_dtype``, optional), for the autograd Function: converted once for
     the forward and the saved tensor the backward reads, instead of once in each (a
-    copy launch each); autograd hands dbeta back in the caller's dtype. An upcast
-    (bf16 / fp16 to fp32) is exact: the kernels read the same values."""
+    copy launch each); the backward casts dbeta back to the caller's dtype. Only an
+    upcast (bf16 / fp16 to fp32: exact, the kernels read the same values); also used by
+    the inference path, where the segment split's passes would each convert it."""
     dtype = getattr(kernels, "beta_dtype", None)
-    return beta if dtype is None or beta.dtype == dtype else beta.to(dtype)
+    if dtype is None or beta.dtype == dtype or torch.promote_types(beta.dtype, dtype) != dtype:
+        return beta                                    # nothing to do, or not an upcast
+    return beta.to(dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -250,6 +253,7 @@ def _inference(q, k, v, g, beta, initial_state, scale, output_final_state, cu_se
     requires grad: prefill, evaluation), which would cost ~40 us of host time per call
     and keep g_cumsum and A alive. Returns ``(o, final_state)``."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    beta = _kernel_beta(kernels, beta)
     return _forward(q, k, v, g, beta, initial_state, scale, output_final_state,
                     cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound)[2:]
 
@@ -261,7 +265,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state,
                 cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound):
         q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
-        beta = _kernel_beta(kernels, beta)             # once for the forward and backward
+        beta_dtype, beta = beta.dtype, _kernel_beta(kernels, beta)   # once for both passes
         g_cumsum, A, o, final_state = _forward(
             q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
             cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
@@ -271,7 +275,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         ctx.warmup = ((segment_len, shortcut_bound)
                       if segment_len is not None and uses_warmup(kernels, shortcut_bound)
                       and getattr(kernels, "bwd_warmup", None) is not None else None)
-        ctx.g_dtype = g.dtype
+        ctx.g_dtype, ctx.beta_dtype = g.dtype, beta_dtype
         ctx.set_materialize_grads(False)
         return o, final_state
 
@@ -289,7 +293,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             q, k, v, g_cumsum, beta, A, do, dht=dht, scale=ctx.scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu)
-        return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dh0,
+        return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(ctx.beta_dtype), dh0,
                 None, None, None, None, None, None, None)
 
 

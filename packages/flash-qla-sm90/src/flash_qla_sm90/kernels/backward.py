@@ -37,9 +37,10 @@ from .launch import launcher
 
 
 def _fp32_beta(backward):
-    """Run ``backward`` on beta converted to fp32 once (``[B, T, Hv]``: each of its three
-    kernel launches reads fp32 beta, and each would otherwise convert its own copy), and
-    return dbeta in the caller's beta dtype."""
+    """Run ``backward`` on fp32 beta (``[B, T, Hv]``; a no-op for the autograd Function,
+    which hands it fp32 beta already: ``Kernels.beta_dtype``) and return dbeta in the
+    caller's beta dtype (the low-level ``chunk_gated_delta_rule_bwd`` contract; the
+    PyTorch fallback reads beta in fp32 too)."""
     @functools.wraps(backward)
     def run(q, k, v, g_cumsum, beta, *args, **kwargs):
         dq, dk, dv, dbeta, dg, dh0 = backward(q, k, v, g_cumsum, beta.float(), *args, **kwargs)

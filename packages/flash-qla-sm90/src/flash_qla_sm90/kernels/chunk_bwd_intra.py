@@ -55,6 +55,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from .launch import launcher
 from .tile_ops import LOG2E, zero_rows_past
 from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
 
@@ -402,7 +403,6 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     from flash_qla.reference import _reduce_heads
 
     from .forward import _DTYPE_NAMES, _packed, _zero_padding_rows, layout_for, static_flags
-    from .launch import launcher
 
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]

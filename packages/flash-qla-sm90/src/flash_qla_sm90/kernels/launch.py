@@ -6,15 +6,16 @@ v12). Two layers of TileLang's per-launch Python are the same on every call of o
 configuration and are paid once here:
 
 - the builder call (``chunk_fwd_ws_kernel("bfloat16", 128, 128, ...)``), which looks the
-  compiled kernel up by its arguments on every call: a launcher is kept per
-  (builder, static arguments, ``traits.revision``);
-- the adapter around the compiled module, which re-derives for every launch which of the
-  arguments are outputs to allocate (our kernels allocate none: every output is an
-  argument) before calling the tvm-ffi function: the launcher calls that function
+  compiled kernel up by its arguments on every call: a launcher is kept per (builder,
+  static arguments);
+- the tvm-ffi adapter around the compiled module, which re-derives for every launch
+  which of the arguments are outputs to allocate (our kernels allocate none: every
+  output is an argument) before calling the module: the launcher calls the module
   directly when the kernel has no outputs to allocate.
 
-The tvm-ffi function itself converts the tensors (DLPack), takes torch's current stream
-and launches; it is what a launch costs from here on.
+The module's host code converts the tensors (DLPack), takes torch's current stream, sets
+the device from the tensors and launches; it is what a launch costs from here on (the
+same in both paths: the adapter sets no device or stream itself, TileLang 0.1.15).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import traits
+#: The TileLang release whose adapter :func:`_direct` was read against (the sm90 pin).
+_TILELANG = "0.1.15"
 
-#: (id(builder), static arguments, traits.revision) -> (builder, launcher); the builder is
-#: kept so that its id cannot be reused by another object while the entry lives.
+#: (id(builder), static arguments) -> (builder, launcher); the builder is kept so that
+#: its id cannot be reused by another object while the entry lives.
 _LAUNCHERS: dict[tuple, tuple[Any, Callable]] = {}
 
 
@@ -34,19 +36,25 @@ def launcher(builder: Callable, *static: Any) -> Callable:
 
     ``builder``: a ``tilelang.jit`` kernel builder (or any callable returning a launcher,
     e.g. a test's stub); ``static``: its static arguments (dtype name, dims, flags).
-    The launcher is built once per (builder, arguments, ``traits.revision``)."""
-    key = (id(builder), static, traits.revision)
+    The launcher is built once per (builder, arguments), as TileLang keys its own
+    in-memory kernels (the kernel modules read ``traits`` when they are imported)."""
+    key = (id(builder), static)
     entry = _LAUNCHERS.get(key)
-    if entry is None or entry[0] is not builder:
+    if entry is None:
         entry = _LAUNCHERS[key] = (builder, _direct(builder(*static)))
     return entry[1]
 
 
 def _direct(kernel: Any) -> Callable:
-    """The tvm-ffi function of a compiled TileLang kernel whose outputs are all
-    arguments (TileLang 0.1.15's ``TVMFFIKernelAdapter``), else ``kernel`` itself."""
+    """The compiled module of a TileLang kernel run by TileLang 0.1.15's tvm-ffi adapter
+    whose outputs are all arguments, else ``kernel`` itself (another adapter or
+    TileLang version, a kernel that allocates outputs, a stub)."""
     adapter = getattr(kernel, "adapter", None)
-    executable = getattr(adapter, "_get_executable", None)
-    if executable is None or getattr(adapter, "result_idx", None):
+    if adapter is None or getattr(adapter, "result_idx", None):
         return kernel
-    return executable()
+    import tilelang
+    from tilelang.jit.adapter.tvm_ffi import TVMFFIKernelAdapter
+
+    if tilelang.__version__ != _TILELANG or not isinstance(adapter, TVMFFIKernelAdapter):
+        return kernel
+    return adapter._get_executable()
