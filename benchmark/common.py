@@ -998,12 +998,21 @@ def host_wall(fn, iters: int) -> dict:
     return {"wall_us": statistics.median(samples), "syncs": syncs}
 
 
+def fla_cache_results(tuning: str) -> str:
+    """``FLA_CACHE_RESULTS`` for a worker: "0" for ``per-shape`` (FLA autotunes on the
+    worker's own shape), "1" for ``cached`` (FLA's default: Triton's on-disk autotune
+    cache, keyed on heads and dims but not on T or B)."""
+    if tuning not in ("per-shape", "cached"):
+        raise ValueError(f"fla tuning: expected 'per-shape' or 'cached', got {tuning!r}")
+    return "0" if tuning == "per-shape" else "1"
+
+
 def worker_main(spec_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     out_path = spec["result_path"]
-    if spec["impl"] == "fla" or spec.get("task") == "probe":
-        os.environ["FLA_CACHE_RESULTS"] = "0"  # autotune on this process' shape only
+    if spec.get("task") == "probe" or spec["impl"] == "fla":
+        os.environ["FLA_CACHE_RESULTS"] = fla_cache_results(spec.get("fla_tuning", "per-shape"))
     task = {"probe": task_probe, "bench": task_bench, "profile": task_profile}[spec["task"]]
     if spec.get("device") == "cpu":
         import torch

@@ -185,6 +185,17 @@ def test_benchmark_install_hint_matches_the_core():
     assert C.INSTALL_HINT == dispatch.install_hint((9, 0))
 
 
+def test_fla_tuning_option():
+    """--fla-tuning: per-shape keeps FLA from reusing tunings (FLA_CACHE_RESULTS=0), cached
+    is FLA's own default; the benchmark documents the option."""
+    assert (C.fla_cache_results("per-shape"), C.fla_cache_results("cached")) == ("0", "1")
+    with pytest.raises(ValueError, match="per-shape"):
+        C.fla_cache_results("shared")
+    p = _run([BENCH, "--help"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "--fla-tuning" in p.stdout and "cached" in p.stdout
+
+
 def test_segment_len_option():
     assert C.segment_len_arg("4096") == 4096
     assert C.segment_len_arg("off") == "off"

@@ -59,7 +59,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 # the peer FlashQLA 0.1.3 when the bundle has it (its kernels precompiled in the cache)
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
-B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ"
+# FLA_TUNING=cached: FLA reuses its on-disk tunings across shapes (bench --fla-tuning)
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING}"
 if has smoke; then
   if ! timeout "$(cap "${SMOKE_TIMEOUT:-60}")" python3 benchmark/tune_chunk_fwd.py \
       --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
