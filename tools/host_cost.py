@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import gzip
 import io
 import pstats
 import sys
@@ -92,11 +91,7 @@ def _trace(call, path: Path, top: int, iters: int = 10) -> str:
         for _ in range(iters):
             call()
         torch.cuda.synchronize()
-    raw = path.with_suffix("")                       # <shape>.json, then gzipped
-    prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
-        g.write(f.read())
-    raw.unlink()
+    prof.export_chrome_trace(str(path))              # torch gzips a path ending in .gz
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
@@ -188,14 +183,13 @@ def main() -> None:
         torch.cuda.synchronize()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile_top)
-        profiles[spec] = s.getvalue()
+        profiles[f"cProfile (200 calls), {spec}"] = s.getvalue()
         if args.trace:
             args.trace.mkdir(parents=True, exist_ok=True)
             name = spec.replace("/", "-").replace("@", "_")
-            profiles[f"{spec}: torch profiler, 10 calls"] = _trace(
+            profiles[f"torch profiler (10 calls), {spec}"] = _trace(
                 call, args.trace / f"{name}.json.gz", args.profile_top)
-    for spec, text in profiles.items():
-        head = spec if "torch profiler" in spec else f"cProfile (200 calls), {spec}"
+    for head, text in profiles.items():
         print(f"### {head}\n{text}")
     print(tabulate([{k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in r.items()}
                     for r in rows], headers="keys"))
