@@ -199,6 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
         "a config tuned on another length (the report says which)",
     )
     tim.add_argument(
+        "--worker-per",
+        choices=["config", "heads"],
+        default="config",
+        help="config (default): every (implementation, configuration) in a fresh "
+        "process; heads: one process per implementation measures the consecutive "
+        "configurations of one mode and Hk/Hv in turn (imports, kernel loads and FLA's "
+        "tuning paid once per group: a whole grid in a fraction of the time; the "
+        "first-call columns then come from each group's first configuration only)",
+    )
+    tim.add_argument(
         "--cold-first-call",
         action="store_true",
         help="also measure first-call latency with empty Triton, TileLang and "
@@ -379,54 +389,92 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "fla_tuning": args.fla_tuning,
         "capability": info.get("capability"),
     }
-    bar = C.progress(shapes, desc=f"benchmark ({args.device})")
     deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
-    for shape in bar:
+    env_extra = {"FLA_CACHE_RESULTS": C.fla_cache_results(args.fla_tuning)}
+    done = lambda r: bool(r) and r.get("status") in ("ok", "unsupported")  # noqa: E731
+    groups = _worker_groups(shapes, args.worker_per)
+    bar = C.progress(groups, desc=f"benchmark ({args.device}, {len(shapes)} configs)")
+    for group in bar:
         if deadline is not None and time.monotonic() > deadline:
             print(f"note: --deadline-s {args.deadline_s:g} reached; reporting the "
                   f"configurations done so far", file=sys.stderr)
             break
-        safe = shape.key.replace(":", "-").replace("/", "_").replace("@", "-")
-        ref_path = os.path.join(scratch, f"{safe}.ours.pt")
-        done = lambda r: bool(r) and r.get("status") in ("ok", "unsupported")  # noqa: E731
-        todo = [i for i in ["ours"] + peers if not done(rows.get((shape.key, i)))]
-        if (
-            todo
-            and "ours" not in todo
-            and any(not (C.static_unsupported(i, shape, env) or avail.get(i)) for i in todo)
-        ):
-            todo.insert(0, "ours")  # a peer to (re)measure needs ours' outputs beside it
-        for impl in todo:
-            key = (shape.key, impl)
-            why = C.static_unsupported(impl, shape, env) or (
-                avail.get(impl) if impl != "ours" else None
-            )
-            if why:
-                status = next(
-                    (w for w in ("not installed", "unsupported", "skipped") if why.startswith(w)),
-                    "unsupported",
+        refs = {s.key: os.path.join(scratch, f"{_safe(s.key)}.ours.pt") for s in group}
+        todo = {}  # impl -> shapes it still has to run
+        for shape in group:
+            need = [i for i in ["ours"] + peers if not done(rows.get((shape.key, i)))]
+            if (
+                need
+                and "ours" not in need
+                and any(not (C.static_unsupported(i, shape, env) or avail.get(i)) for i in need)
+            ):
+                need.insert(0, "ours")  # a peer to (re)measure needs ours' outputs beside it
+            for impl in need:
+                why = C.static_unsupported(impl, shape, env) or (
+                    avail.get(impl) if impl != "ours" else None
                 )
-                rows[key] = {
-                    **shape_row(shape),
-                    "impl": impl,
-                    "status": status,
-                    "reason": why,
-                    "gate": args.gate,
-                    "seed": args.seed,
-                }
-                continue
-            bar.set_postfix_str(f"{shape.label} {C.SHORT[impl]}")
-            res = C.run_worker(
-                {**common_spec, "impl": impl, "shape": shape.key, "ref_path": ref_path},
+                if why:
+                    rows[(shape.key, impl)] = _not_run_row(shape, impl, why, args)
+                else:
+                    todo.setdefault(impl, []).append(shape)
+        for impl in [i for i in ["ours"] + peers if i in todo]:   # ours first: the refs
+            batch = todo[impl]
+            bar.set_postfix_str(f"{batch[0].label}{' ...' if len(batch) > 1 else ''} "
+                                f"{C.SHORT[impl]}")
+            spec = {**common_spec, "impl": impl}
+            if deadline is not None:  # a batch starts no item past the deadline either
+                spec["deadline_epoch"] = time.time() + deadline - time.monotonic()
+            results = C.run_batch_worker(
+                spec,
+                [{"shape": s.key, "ref_path": refs[s.key]} for s in batch],
                 scratch,
-                f"{safe}-{impl}",
-                args.worker_timeout,
-                {"FLA_CACHE_RESULTS": C.fla_cache_results(args.fla_tuning)},
+                f"{_safe(batch[0].key)}-{impl}" + (f"-x{len(batch)}" if len(batch) > 1 else ""),
+                args.worker_timeout * len(batch),
+                env_extra,
             )
-            rows[key] = flatten(shape, impl, res, args)
-        if os.path.exists(ref_path) and not args.keep_scratch:
-            os.remove(ref_path)
+            for shape, res in zip(batch, results):
+                rows[(shape.key, impl)] = flatten(shape, impl, res, args)
+        if not args.keep_scratch:
+            for path in refs.values():
+                if os.path.exists(path):
+                    os.remove(path)
     bar.close()
+
+
+def _safe(key: str) -> str:
+    return key.replace(":", "-").replace("/", "_").replace("@", "-")
+
+
+def _worker_groups(shapes: list[C.Shape], worker_per: str) -> list[list[C.Shape]]:
+    """Shapes measured by one worker process per implementation: each alone
+    (``config``, the fresh-process default), or consecutive shapes of the same mode and
+    heads together (``heads``: one import and one peer tuning per group)."""
+    if worker_per == "config":
+        return [[s] for s in shapes]
+    groups: list[list[C.Shape]] = []
+    for s in shapes:
+        if groups and (groups[-1][0].mode, groups[-1][0].hk, groups[-1][0].hv) == (
+            s.mode, s.hk, s.hv
+        ):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def _not_run_row(shape: C.Shape, impl: str, why: str, args) -> dict:
+    status = next(
+        (w for w in ("not installed", "unsupported", "skipped") if why.startswith(w)),
+        "unsupported",
+    )
+    return {
+        **shape_row(shape),
+        "impl": impl,
+        "status": status,
+        "reason": why,
+        "gate": args.gate,
+        "seed": args.seed,
+    }
 
 
 def _interrupt(signum, frame):
@@ -642,8 +690,13 @@ def render(meta: dict, rows: dict, out_dir: str, tag: str, tol: float) -> str:
         (
             "- timing: triton.testing.do_bench median (L2 flushed before each call; input "
             "buffers rotated below 60 MB); eager includes host launch overhead, graph = "
-            "CUDA-graph replay; each (implementation, config) in a fresh process, FLA "
-            + ("autotuned on that shape (FLA_CACHE_RESULTS=0"
+            "CUDA-graph replay; "
+            + ("each (implementation, config) in a fresh process, FLA "
+               if meta.get("worker_per", "config") == "config" else
+               "one process per (implementation, mode and Hk/Hv group) measuring the "
+               "group's configs in turn, FLA (its tuning key has no T or B) ")
+            + (("autotuned on that shape" if meta.get("worker_per", "config") == "config"
+                else "autotuned on the group's first config") + " (FLA_CACHE_RESULTS=0"
                if meta.get("fla_tuning", "per-shape") == "per-shape" else
                "with its on-disk autotune cache (FLA_CACHE_RESULTS=1: a shape reuses the "
                "tuning of an earlier one with the same heads and dims, any T / B")
@@ -922,6 +975,7 @@ def main(argv=None) -> int:
             "dense_batch": args.dense_batch,
             "fla_tune_rep_ms": args.fla_tune_rep_ms,
             "fla_tuning": args.fla_tuning,
+            "worker_per": args.worker_per,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "git": git_rev(),
             "command": " ".join(

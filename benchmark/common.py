@@ -1010,6 +1010,30 @@ def fla_cache_results(tuning: str) -> str:
 def worker_main(spec_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
+    if "batch" in spec:
+        return _worker_batch(spec)
+    return _worker_one(spec)
+
+
+def _worker_batch(spec: dict) -> int:
+    """One process measures several configurations in turn (``--worker-per heads``):
+    the imports and the peers' tuning are paid once per batch. Each item writes its own
+    result; only the first keeps ``import_s`` / ``first_call_s`` (later ones are not a
+    fresh process); none starts past ``deadline_epoch``."""
+    for n, item in enumerate(spec["batch"]):
+        if spec.get("deadline_epoch") and time.time() > spec["deadline_epoch"]:
+            _write(item["result_path"], {"status": "error", "reason": "batch deadline reached"})
+            continue
+        one = {k: v for k, v in spec.items() if k != "batch"}
+        _worker_one({**one, **item}, warm=n > 0)
+        if spec.get("device") != "cpu":
+            import torch
+
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _worker_one(spec: dict, warm: bool = False) -> int:
     out_path = spec["result_path"]
     if spec.get("task") == "probe" or spec["impl"] == "fla":
         os.environ["FLA_CACHE_RESULTS"] = fla_cache_results(spec.get("fla_tuning", "per-shape"))
@@ -1028,6 +1052,9 @@ def worker_main(spec_path: str) -> int:
             with open(out_path) as f:
                 res = {**json.load(f), **res}
         traceback.print_exc()
+    if warm:  # not a fresh process: its first call says nothing about first use
+        res.pop("import_s", None)
+        res["warm_first_call_s"] = res.pop("first_call_s", None)
     _write(out_path, res)
     return 0
 
@@ -1041,13 +1068,30 @@ def run_worker(
     spec: dict, scratch: str, name: str, timeout: float, env_extra: dict | None = None
 ) -> dict:
     """Run one worker in a fresh process group; return its result dict (never raises)."""
+    return run_batch_worker(spec, [{}], scratch, name, timeout, env_extra)[0]
+
+
+def run_batch_worker(
+    spec: dict,
+    items: list[dict],
+    scratch: str,
+    name: str,
+    timeout: float,
+    env_extra: dict | None = None,
+) -> list[dict]:
+    """Run one worker process over ``items`` (each a dict of spec entries, e.g. shape
+    and ref_path, measured in turn in the same process; ``[{}]``: ``spec`` alone, the
+    fresh-process default); return one result dict per item (never raises)."""
     os.makedirs(scratch, exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-    spec = {**spec, "result_path": os.path.join(scratch, f"{safe}.result.json")}
+    paths = [os.path.join(scratch, f"{safe}.{n}.result.json") for n in range(len(items))]
+    items = [{**it, "result_path": p} for it, p in zip(items, paths)]
+    spec = {**spec, **items[0]} if len(items) == 1 else {**spec, "batch": items}
     spec_path = os.path.join(scratch, f"{safe}.spec.json")
     log_path = os.path.join(scratch, f"{safe}.log")
-    if os.path.exists(spec["result_path"]):
-        os.remove(spec["result_path"])
+    for p in paths:
+        if os.path.exists(p):
+            os.remove(p)
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
@@ -1072,11 +1116,17 @@ def run_worker(
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
+    wall = (time.perf_counter() - t0) / len(items)
+    return [_read_result(p, rc, timeout, log_path, wall) for p in paths]
+
+
+def _read_result(path: str, rc: int | None, timeout: float, log_path: str, wall: float) -> dict:
+    """The result a worker wrote to ``path``, its status settled from the exit code."""
     res = {}
-    if os.path.exists(spec["result_path"]):
-        with open(spec["result_path"]) as f:
+    if os.path.exists(path):
+        with open(path) as f:
             res = json.load(f)
-    res["wall_s"] = time.perf_counter() - t0
+    res["wall_s"] = wall
     if rc is None:
         res.update(
             status="timeout"

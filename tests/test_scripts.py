@@ -196,6 +196,37 @@ def test_fla_tuning_option():
     assert "--fla-tuning" in p.stdout and "cached" in p.stdout
 
 
+@needs_ours
+def test_benchmark_worker_per_heads_batches_a_group(tmp_path):
+    """--worker-per heads: the two forward configs of 2/4 share one worker process (one
+    log), each still gets its own row; only the group's first keeps a first-call time."""
+    shapes = "fwd:2/4@1x128,fwd:2/4@seqs=50+78,bwd:2/2@1x64"
+    assert [len(g) for g in
+            bench_module()._worker_groups(C.select_shapes(shapes, ["fwd", "bwd"], []), "heads")
+            ] == [2, 1]
+    p = _run([BENCH, "--device", "cpu", "--out", str(tmp_path), "--worker-per", "heads",
+              "--shapes", shapes, "--keep-scratch"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    ours = {r["shape"]: r for r in data["results"] if r["impl"] == "ours"}
+    assert len(ours) == 3 and all(r["status"] == "ok" and r["eager_ms"] > 0
+                                  for r in ours.values()), ours
+    assert sum(r.get("first_call_s") is not None for r in ours.values()) == 2
+    scratch = p.stderr.split("scratch kept in ")[1].split()[0]
+    logs = sorted(f for f in os.listdir(scratch) if f.endswith(".log") and "-ours" in f)
+    assert len(logs) == 2 and any(f.endswith("-x2.log") for f in logs), logs
+    assert data["meta"]["worker_per"] == "heads"
+
+
+def bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gated_delta_rule", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_segment_len_option():
     assert C.segment_len_arg("4096") == 4096
     assert C.segment_len_arg("off") == "off"

@@ -19,7 +19,8 @@
 #             then, if SEG_PROFILE is set, the kernel profile of the segment path with
 #             SEG_PROFILE_LEN on those rows of SEG_PROFILE_SET (default develop;
 #             SEG_PROFILE_HOST=1: host ops)
-#   fla       forward beside FLA_PEERS (default fla; "fla,flashqla" adds FlashQLA 0.1.3,
+#   fla       (FLA_RESUME: continue that earlier H200-fla.json, bench --resume)
+#             forward beside FLA_PEERS (default fla; "fla,flashqla" adds FlashQLA 0.1.3,
 #             whose kernels the bundle precompiles) on FLA_SHAPES (FLA autotunes every
 #             shape, each config timed FLA_TUNE_REP_MS, default 20 ms, not Triton's 100)
 #   host      tools/host_cost.py on HOST_SHAPES (host wall per eager call, each TileLang
@@ -59,8 +60,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 # the peer FlashQLA 0.1.3 when the bundle has it (its kernels precompiled in the cache)
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
-# FLA_TUNING=cached: FLA reuses its on-disk tunings across shapes (bench --fla-tuning)
-B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING}"
+# FLA_TUNING=cached: FLA reuses its on-disk tunings across shapes (bench --fla-tuning);
+# WORKER_PER=heads: one process per (implementation, heads group) (bench --worker-per)
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING} ${WORKER_PER:+--worker-per $WORKER_PER}"
 if has smoke; then
   if ! timeout "$(cap "${SMOKE_TIMEOUT:-60}")" python3 benchmark/tune_chunk_fwd.py \
       --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
@@ -148,10 +150,11 @@ if has ncu; then
     echo "no ncu on this host" > "$R/ncu.txt"
   fi
 fi
-if has fla; then
+if has fla; then   # FLA_RESUME: an H200-fla.json of an earlier call to continue (--resume)
+  [ -n "${FLA_RESUME:-}" ] && cp "$FLA_RESUME" "$R/H200-fla.json"
   timeout "$(cap "${FLA_TIMEOUT:-200}")" $B --mode fwd --peers "${FLA_PEERS:-fla}" --tag H200-fla \
     --deadline-s $(( ${FLA_TIMEOUT:-200} - 70 )) \
-    --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" \
+    --fla-tune-rep-ms "${FLA_TUNE_REP_MS:-20}" ${FLA_RESUME:+--resume} \
     --shapes "${FLA_SHAPES:-16/64@1x32768,16/32@8x4096}" > "$R/fla.txt" 2>&1
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .
