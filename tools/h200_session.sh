@@ -167,3 +167,4 @@ for f in "$R"/{fwd,evidence,profile,fla}.txt "$R"/bwd-*.txt "$R"/seg-*.txt; do  
 done
 [ -f "$R/tune.txt" ] && tail -22 "$R/tune.txt"
 for f in "$R"/host-*.txt; do [ -f "$f" ] && tail -6 "$f"; done
+exit 0   # a stage that failed says so in its file; the summary lines above are the result
