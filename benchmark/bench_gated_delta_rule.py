@@ -128,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         "configuration (LAYOUT: BxT, varlen-a, varlen-b or seqs=L1+L2+...)",
     )
     sel.add_argument(
+        "--min-seq-heads",
+        type=int,
+        default=0,
+        metavar="M",
+        help="keep only configurations with sequences x value heads >= M (e.g. 64: the "
+        "rows where one CTA per (sequence, head) fills half the H200's SMs, issue 4's and "
+        "issue 5's performance grids; --mode fwd --min-seq-heads 64 is issue 4's 57 rows)",
+    )
+    sel.add_argument(
         "--list",
         action="store_true",
         help="print the selected configurations and exit (starts no worker)",
@@ -913,6 +922,7 @@ def main(argv=None) -> int:
     base = [C.Shape.from_key(k) for k in keys] if keys else C.forward_grid() + C.backward_grid()
     try:
         shapes = C.select_shapes(args.shapes, modes, base)
+        shapes = [s for s in shapes if s.n_seqs * s.hv >= args.min_seq_heads]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -218,6 +218,19 @@ def test_benchmark_worker_per_heads_batches_a_group(tmp_path):
     assert data["meta"]["worker_per"] == "heads"
 
 
+def test_min_seq_heads_selects_the_issue_grids():
+    """--min-seq-heads 64 --list: issue 4's 57 forward rows, issue 5's six Hk = Hv rows."""
+    p = _run([BENCH, "--mode", "fwd", "--min-seq-heads", "64", "--list"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    rows = [line.split()[0] for line in p.stdout.splitlines()]
+    assert len(rows) == 57 and "fwd:16/64@1x32768" in rows and "fwd:16/16@1x32768" not in rows
+    p = _run([BENCH, "--mode", "bwd", "--min-seq-heads", "64", "--shapes",
+              "16/16@*,8/8@*,4/4@*", "--list"], timeout=60)
+    assert [line.split()[0] for line in p.stdout.splitlines()] == [f"bwd:{s}" for s in (
+        "16/16@4x2048", "16/16@8x1024", "16/16@4x8192", "16/16@8x4096", "8/8@8x1024",
+        "8/8@8x4096")]
+
+
 def bench_module():
     import importlib.util
 

@@ -61,8 +61,10 @@ PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=5"
 # the peer FlashQLA 0.1.3 when the bundle has it (its kernels precompiled in the cache)
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
 # FLA_TUNING=cached: FLA reuses its on-disk tunings across shapes (bench --fla-tuning);
-# WORKER_PER=heads: one process per (implementation, heads group) (bench --worker-per)
-B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING} ${WORKER_PER:+--worker-per $WORKER_PER}"
+# WORKER_PER=heads: one process per (implementation, heads group) (bench --worker-per);
+# MIN_SEQ_HEADS=64: only rows with sequences x value heads >= 64 (bench --min-seq-heads;
+# e.g. FLA_SHAPES='*@*' MIN_SEQ_HEADS=64: issue 4's 57 forward rows)
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING} ${WORKER_PER:+--worker-per $WORKER_PER} ${MIN_SEQ_HEADS:+--min-seq-heads $MIN_SEQ_HEADS}"
 if has smoke; then
   if ! timeout "$(cap "${SMOKE_TIMEOUT:-60}")" python3 benchmark/tune_chunk_fwd.py \
       --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
