@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         "issue 5's performance grids; --mode fwd --min-seq-heads 64 is issue 4's 57 rows)",
     )
     sel.add_argument(
+        "--max-seq-heads",
+        type=int,
+        default=None,
+        metavar="M",
+        help="keep only configurations with sequences x value heads < M (the few-head "
+        "rows: --max-seq-heads 64 is the complement of --min-seq-heads 64)",
+    )
+    sel.add_argument(
         "--list",
         action="store_true",
         help="print the selected configurations and exit (starts no worker)",
@@ -922,7 +930,8 @@ def main(argv=None) -> int:
     base = [C.Shape.from_key(k) for k in keys] if keys else C.forward_grid() + C.backward_grid()
     try:
         shapes = C.select_shapes(args.shapes, modes, base)
-        shapes = [s for s in shapes if s.n_seqs * s.hv >= args.min_seq_heads]
+        shapes = [s for s in shapes if args.min_seq_heads <= s.n_seqs * s.hv
+                  and (args.max_seq_heads is None or s.n_seqs * s.hv < args.max_seq_heads)]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -63,8 +63,9 @@ FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/pe
 # FLA_TUNING=cached: FLA reuses its on-disk tunings across shapes (bench --fla-tuning);
 # WORKER_PER=heads: one process per (implementation, heads group) (bench --worker-per);
 # MIN_SEQ_HEADS=64: only rows with sequences x value heads >= 64 (bench --min-seq-heads;
-# e.g. FLA_SHAPES='*@*' MIN_SEQ_HEADS=64: issue 4's 57 forward rows)
-B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING} ${WORKER_PER:+--worker-per $WORKER_PER} ${MIN_SEQ_HEADS:+--min-seq-heads $MIN_SEQ_HEADS}"
+# e.g. FLA_SHAPES='*@*' MIN_SEQ_HEADS=64: issue 4's 57 forward rows; MAX_SEQ_HEADS=64:
+# the other 42, the few-head rows)
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING} ${WORKER_PER:+--worker-per $WORKER_PER} ${MIN_SEQ_HEADS:+--min-seq-heads $MIN_SEQ_HEADS} ${MAX_SEQ_HEADS:+--max-seq-heads $MAX_SEQ_HEADS}"
 if has smoke; then
   if ! timeout "$(cap "${SMOKE_TIMEOUT:-60}")" python3 benchmark/tune_chunk_fwd.py \
       --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
