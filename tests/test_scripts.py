@@ -243,6 +243,27 @@ def bench_module():
     return mod
 
 
+def test_sass_report_charges_inlined_instructions_to_their_call_site():
+    """tools/sass_report.py: an instruction inlined from a header counts at the line of
+    the kernel's source that called it; one outside the kernel's lines at line 0."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import sass_report
+
+    sass = "\n".join([
+        '\t//## File "/tmp/x/kernel.cu", line 12',
+        "        /*0010*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;",
+        '\t//## File "/inc/mma.hpp", line 53 inlined at "/tmp/x/kernel.cu", line 40',
+        "        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;",
+        "        /*0030*/              @!P0 BRA `(.L_x_1) ;",
+        '\t//## File "/inc/common.h", line 9',
+        "        /*0040*/                   R2UR UR4, R2 ;",
+    ])
+    ops, per_line = sass_report.parse(sass, "kernel.cu")
+    assert ops == {"IMAD": 1, "HGMMA": 1, "BRA": 1, "R2UR": 1}
+    assert {n: dict(c) for n, c in per_line.items()} == {
+        12: {"IMAD": 1}, 40: {"HGMMA": 1, "BRA": 1}, 0: {"R2UR": 1}}
+
+
 def test_segment_len_option():
     assert C.segment_len_arg("4096") == 4096
     assert C.segment_len_arg("off") == "off"
