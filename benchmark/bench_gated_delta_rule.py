@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
             "gets alpha = exp(g), packed [T,H,D] inputs and [N,H,V,K] states. FlashQLA 0.1.3 "
             "shares our import name and is imported from --flashqla-path in its own process.\n\n"
             "Exit codes: 0 done (rows may still say error/unsupported), 2 cannot run here "
-            "(no CUDA GPU, or our flash_qla not importable), 1 bad arguments."
+            "(no CUDA GPU, or our flash_qla not importable) or a malformed command line "
+            "(argparse), 1 bad option values (--shapes, --peers, an empty selection)."
         ),
     )
     sel = p.add_argument_group("what to run")
@@ -935,13 +936,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if not shapes:
+        print("error: no configuration selected", file=sys.stderr)
+        return 1
     if args.list:
         for s in shapes:
             print(f"{s.key:28s} tokens={s.tokens:6d} seqs={s.n_seqs:3d}")
         return 0
-    if not shapes:
-        print("error: no configuration selected", file=sys.stderr)
-        return 1
     if args.device == "cpu":
         args.ours_backend = args.ours_backend or "torch"
         print(

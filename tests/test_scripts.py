@@ -227,6 +227,8 @@ def test_min_seq_heads_selects_the_issue_grids():
     p = _run([BENCH, "--mode", "fwd", "--max-seq-heads", "64", "--list"], timeout=60)
     few = [line.split()[0] for line in p.stdout.splitlines()]
     assert len(few) == 42 and not set(few) & set(rows) and "fwd:16/16@1x32768" in few
+    p = _run([BENCH, "--min-seq-heads", "64", "--max-seq-heads", "64", "--list"], timeout=60)
+    assert p.returncode == 1 and "no configuration selected" in p.stderr, p.stderr
     p = _run([BENCH, "--mode", "bwd", "--min-seq-heads", "64", "--shapes",
               "16/16@*,8/8@*,4/4@*", "--list"], timeout=60)
     assert [line.split()[0] for line in p.stdout.splitlines()] == [f"bwd:{s}" for s in (

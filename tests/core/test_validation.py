@@ -132,6 +132,9 @@ FORWARD_CASES = [
     pytest.param(lambda: _with(varlen_call(), cu_seqlens_cpu=torch.tensor([0, 5, 3, 7])),
                  ValueError, r"cu_seqlens_cpu must be non-decreasing",
                  id="cu_seqlens_cpu-values-checked-first"),
+    pytest.param(lambda: _with(varlen_call(), cu_seqlens_cpu=torch.tensor([0, 2, 3, 7])),
+                 ValueError, r"cu_seqlens_cpu must hold cu_seqlens' values \[0, 3, 3, 7\]; "
+                 r"got \[0, 2, 3, 7\]", id="cu_seqlens_cpu-other-values-on-the-host"),
     pytest.param(lambda: _with(varlen_call(), cu_seqlens_cpu=torch.tensor([0, 3, 7])),
                  ValueError, r"cu_seqlens_cpu must have cu_seqlens' length 4; got 3",
                  id="cu_seqlens_cpu-length"),

@@ -219,6 +219,12 @@ def check_cu_seqlens(
     if cu_seqlens_cpu is not None:
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
         check_cu_seqlens_values("cu_seqlens_cpu", cu_seqlens_cpu.tolist(), q.shape[1])
+        # the same values where both are on the host (for a device cu_seqlens the check
+        # would cost the sync that cu_seqlens_cpu exists to avoid: trusted there)
+        if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens.long(),
+                                                               cu_seqlens_cpu.long()):
+            raise ValueError(f"cu_seqlens_cpu must hold cu_seqlens' values "
+                             f"{cu_seqlens.tolist()}; got {cu_seqlens_cpu.tolist()}")
     elif not is_capturing(cu_seqlens.device):
         check_cu_seqlens_values("cu_seqlens", cu_seqlens.tolist(), q.shape[1])
     return cu_seqlens.numel() - 1
