@@ -402,12 +402,14 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     """
     from flash_qla.reference import _reduce_heads
 
-    from .forward import _DTYPE_NAMES, _packed, _zero_padding_rows, layout_for, static_flags
+    from .backward import pack
+    from .forward import _DTYPE_NAMES, _zero_padding_rows, static_flags
 
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
     Tt, dt = B * T, q.dtype
-    layout = packed.layout if packed else layout_for(q, cu_seqlens)
+    p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
+                       cu_seqlens)
     NT = h.numel() // (Hv * K * V)
     zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
     alloc = torch.zeros if zero else torch.empty
@@ -422,14 +424,11 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     if NT > 0:
         statics = static_flags(in_dtype, states_in_dtype)
-        q_p, k_p, v_p, g_p, beta_p, A_p, do_p = packed[:7] if packed else (
-            _packed(q), _packed(k, dt), _packed(v, dt), _packed(g_cumsum, torch.float32),
-            _packed(beta, torch.float32), _packed(A, dt), _packed(do, dt))
         launcher(chunk_bwd_intra_kernel, _DTYPE_NAMES[dt], K, V, *statics)(
-            q_p, k_p, v_p, do_p, g_p, beta_p, A_p,
+            p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
             h.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             dS1.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
-            layout.cu_seqlens, layout.chunk_offsets, layout.chunk_idx, float(scale),
+            p.layout.cu_seqlens, p.layout.chunk_offsets, p.layout.chunk_idx, float(scale),
             dq, dk, dv, dbeta, dg)
     return (_reduce_heads(dq.view(B, T, Hv, K), Hk).to(q.dtype),
             _reduce_heads(dk.view(B, T, Hv, K), Hk).to(k.dtype),
