@@ -408,7 +408,6 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "capability": info.get("capability"),
     }
     deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
-    env_extra = {"FLA_CACHE_RESULTS": C.fla_cache_results(args.fla_tuning)}
     done = lambda r: bool(r) and r.get("status") in ("ok", "unsupported")  # noqa: E731
     groups = _worker_groups(shapes, args.worker_per)
     bar = C.progress(groups, desc=f"benchmark ({args.device}, {len(shapes)} configs)")
@@ -448,7 +447,6 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
                 scratch,
                 f"{_safe(batch[0].key)}-{impl}" + (f"-x{len(batch)}" if len(batch) > 1 else ""),
                 args.worker_timeout * len(batch),
-                env_extra,
             )
             for shape, res in zip(batch, results):
                 rows[(shape.key, impl)] = flatten(shape, impl, res, args)
@@ -493,6 +491,25 @@ def _not_run_row(shape: C.Shape, impl: str, why: str, args) -> dict:
         "gate": args.gate,
         "seed": args.seed,
     }
+
+
+def _timing_line(meta: dict) -> str:
+    """The report's timing line on a GPU: how the workers ran (``--worker-per``) and how
+    FLA was tuned (``--fla-tuning``)."""
+    per_config = meta.get("worker_per", "config") == "config"
+    workers = ("each (implementation, config) in a fresh process, FLA " if per_config else
+               "one process per (implementation, mode and Hk/Hv group) measuring the "
+               "group's configs in turn, FLA (its tuning key has no T or B) ")
+    if meta.get("fla_tuning", "per-shape") == "per-shape":
+        tuning = ("autotuned on that shape" if per_config
+                  else "autotuned on the group's first config") + " (FLA_CACHE_RESULTS=0"
+    else:
+        tuning = ("with its on-disk autotune cache (FLA_CACHE_RESULTS=1: a shape reuses the "
+                  "tuning of an earlier one with the same heads and dims, any T / B")
+    rep = f"; {meta['fla_tune_rep_ms']:g} ms per config" if meta.get("fla_tune_rep_ms") else ""
+    return ("- timing: triton.testing.do_bench median (L2 flushed before each call; input "
+            "buffers rotated below 60 MB); eager includes host launch overhead, graph = "
+            "CUDA-graph replay; " + workers + tuning + rep + ")")
 
 
 def _interrupt(signum, frame):
@@ -704,29 +721,9 @@ def render(meta: dict, rows: dict, out_dir: str, tag: str, tol: float) -> str:
     pngs = plots(rows, peers, out_dir, tag)
 
     on_gpu = meta.get("device_name") not in (None, "cpu")
-    timing = (
-        (
-            "- timing: triton.testing.do_bench median (L2 flushed before each call; input "
-            "buffers rotated below 60 MB); eager includes host launch overhead, graph = "
-            "CUDA-graph replay; "
-            + ("each (implementation, config) in a fresh process, FLA "
-               if meta.get("worker_per", "config") == "config" else
-               "one process per (implementation, mode and Hk/Hv group) measuring the "
-               "group's configs in turn, FLA (its tuning key has no T or B) ")
-            + (("autotuned on that shape" if meta.get("worker_per", "config") == "config"
-                else "autotuned on the group's first config") + " (FLA_CACHE_RESULTS=0"
-               if meta.get("fla_tuning", "per-shape") == "per-shape" else
-               "with its on-disk autotune cache (FLA_CACHE_RESULTS=1: a shape reuses the "
-               "tuning of an earlier one with the same heads and dims, any T / B")
-            + (f"; {meta['fla_tune_rep_ms']:g} ms per config" if meta.get("fla_tune_rep_ms")
-               else "")
-            + ")"
-        )
-        if on_gpu
-        else (
-            "- timing: CPU demo with our torch backend: median wall-clock ms of a few calls "
-            "(no CUDA graphs, no peers, no H200 floor); it shows the pipeline, not performance"
-        )
+    timing = _timing_line(meta) if on_gpu else (
+        "- timing: CPU demo with our torch backend: median wall-clock ms of a few calls "
+        "(no CUDA graphs, no peers, no H200 floor); it shows the pipeline, not performance"
     )
     text, md = (
         [],

@@ -1020,11 +1020,11 @@ def _worker_batch(spec: dict) -> int:
     the imports and the peers' tuning are paid once per batch. Each item writes its own
     result; only the first keeps ``import_s`` / ``first_call_s`` (later ones are not a
     fresh process); none starts past ``deadline_epoch``."""
+    one = {k: v for k, v in spec.items() if k != "batch"}
     for n, item in enumerate(spec["batch"]):
         if spec.get("deadline_epoch") and time.time() > spec["deadline_epoch"]:
             _write(item["result_path"], {"status": "error", "reason": "batch deadline reached"})
             continue
-        one = {k: v for k, v in spec.items() if k != "batch"}
         _worker_one({**one, **item}, warm=n > 0)
         if spec.get("device") != "cpu":
             import torch
