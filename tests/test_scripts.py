@@ -200,9 +200,11 @@ def test_fla_tuning_option():
 def test_benchmark_worker_per_heads_batches_a_group(tmp_path):
     """--worker-per heads: the two forward configs of 2/4 share one worker process (one
     log), each still gets its own row; only the group's first keeps a first-call time."""
+    import bench_gated_delta_rule as bench  # benchmark/ is on sys.path
+
     shapes = "fwd:2/4@1x128,fwd:2/4@seqs=50+78,bwd:2/2@1x64"
     assert [len(g) for g in
-            bench_module()._worker_groups(C.select_shapes(shapes, ["fwd", "bwd"], []), "heads")
+            bench._worker_groups(C.select_shapes(shapes, ["fwd", "bwd"], []), "heads")
             ] == [2, 1]
     p = _run([BENCH, "--device", "cpu", "--out", str(tmp_path), "--worker-per", "heads",
               "--shapes", shapes, "--keep-scratch"])
@@ -234,15 +236,6 @@ def test_min_seq_heads_selects_the_issue_grids():
     assert [line.split()[0] for line in p.stdout.splitlines()] == [f"bwd:{s}" for s in (
         "16/16@4x2048", "16/16@8x1024", "16/16@4x8192", "16/16@8x4096", "8/8@8x1024",
         "8/8@8x4096")]
-
-
-def bench_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_gated_delta_rule", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_sass_report_charges_inlined_instructions_to_their_call_site():
