@@ -207,12 +207,15 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.sync_threads()
                 # ---- forward recompute, while v, dO (and S0, dS1) land: P, Ag
                 T.gemm(q_shared, k_shared, qk_frag, transpose_B=True, clear_accum=True)  # Q K^T
+                T.copy(a_shared, dgg_frag)                                            # A
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
                     decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
-                    p_shared[i, j] = T.if_then_else(live, qk_frag[i, j] * decay, 0.0)
-                    ag_shared[i, j] = T.if_then_else(
-                        live, a_shared[i, j] * decay * beta_shared[j], 0.0)
+                    cc_frag[i, j] = T.if_then_else(live, qk_frag[i, j] * decay, 0.0)
+                    kk_frag[i, j] = T.if_then_else(
+                        live, dgg_frag[i, j] * decay * beta_shared[j], 0.0)
+                T.copy(cc_frag, p_shared)
+                T.copy(kk_frag, ag_shared)
                 T.ptx_wait_group(0)                                  # v, dO (S0, dS1)
                 T.sync_threads()
                 zero_rows_past(u_shared, rows)
@@ -239,8 +242,10 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.wgmma_gemm(k_shared, s0_shared, ks0_frag, clear_accum=True)            # K S0
                 T.wgmma_gemm(q_shared, s0_shared, cv_frag, clear_accum=True)             # Q S0
                 T.wait_wgmma(1)                                                       # K S0
+                T.copy(u_shared, u_frag)                                              # V
                 for i, j in T.Parallel(C, V):
-                    x_shared[i, j] = u_shared[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
+                    u_frag[i, j] = u_frag[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
+                T.copy(u_frag, x_shared)
                 T.fence_proxy_async()
                 T.sync_threads()
                 T.wgmma_gemm(ag_shared, x_shared, u_frag, clear_accum=True)              # U = Ag X
@@ -270,8 +275,9 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.wait_wgmma(0)
                 for i, j in T.Parallel(C, V):
                     kds = T.exp2(gam_shared[C - 1] - gam_shared[i]) * cv_frag[i, j]
-                    du_shared[i, j] = du_frag[i, j] * scale + kds
+                    du_frag[i, j] = du_frag[i, j] * scale + kds
                     cv_frag[i, j] = kds * u_frag[i, j]
+                T.copy(du_frag, du_shared)
                 T.reduce_sum(cv_frag, r_dd, dim=1, batch=2)
                 for i in T.Parallel(C):
                     vec_shared[1, i] = T.if_then_else(i < rows, r_dd[i], 0.0)        # dD
@@ -280,14 +286,16 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 # (= dV) issued behind it, waited for below
                 T.wgmma_gemm(du_shared, x_shared, cc_frag, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)
+                T.copy(a_shared, kk_frag)                                             # A
                 T.wait_wgmma(1)                                                       # dAg
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
                     decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
                     dagg = T.if_then_else(live, cc_frag[i, j] * decay, 0.0)              # dAg * G
-                    m_shared[i, j] = dagg * beta_shared[j]
-                    cc_frag[i, j] = dagg * a_shared[i, j]                                # dAg * GA
-                    dgg_frag[i, j] = dagg * a_shared[i, j] * beta_shared[j]              # M * A
+                    am_frag[i, j] = dagg * beta_shared[j]                                # M
+                    cc_frag[i, j] = dagg * kk_frag[i, j]                                 # dAg * GA
+                    dgg_frag[i, j] = dagg * kk_frag[i, j] * beta_shared[j]               # M * A
+                T.copy(am_frag, m_shared)
                 T.reduce_sum(cc_frag, c_dba, dim=0, batch=4)
                 for j in T.Parallel(C):
                     vec_shared[2, j] = c_dba[j]                                       # dbeta, 1st
@@ -298,9 +306,9 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     if i < rows:
                         dv[t0 + i, hh, j] = dx_frag[i, j]
                 for i, j in T.Parallel(C, V):
-                    edx = -T.exp2(gam_shared[i]) * dx_frag[i, j]
-                    du_shared[i, j] = edx
-                    cv_frag[i, j] = edx * ks0_frag[i, j]
+                    dx_frag[i, j] = -T.exp2(gam_shared[i]) * dx_frag[i, j]              # -E dX
+                    cv_frag[i, j] = dx_frag[i, j] * ks0_frag[i, j]
+                T.copy(dx_frag, du_shared)
                 T.reduce_sum(cv_frag, r_ks, dim=1, batch=2)                       # -E <dX, KS0>
                 for i in T.Parallel(C):
                     vec_shared[3, i] = r_ks[i]
@@ -316,8 +324,9 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                     live = (i >= j) & (i < rows)
                     decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
                     dpg = T.if_then_else(live, cc_frag[i, j] * scale * decay, 0.0)
-                    dpg_shared[i, j] = dpg
+                    cc_frag[i, j] = dpg
                     dgg_frag[i, j] = dgg_frag[i, j] + dpg * qk_frag[i, j]
+                T.copy(cc_frag, dpg_shared)
                 T.reduce_sum(dgg_frag, r_dgg, dim=1, batch=2)
                 T.reduce_sum(dgg_frag, c_dgg, dim=0, batch=4)
                 for i in T.Parallel(C):
@@ -331,8 +340,9 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.gemm(p_shared, a_shared, cc_frag, transpose_B=True, clear_accum=True)  # A^T M A^T
                 for i, j in T.Parallel(C, C):
                     dn = T.if_then_else((i > j) & (i < rows), -cc_frag[i, j], 0.0)
-                    ag_shared[i, j] = dn * beta_shared[i]
+                    cc_frag[i, j] = dn * beta_shared[i]
                     kk_frag[i, j] = dn * kk_frag[i, j]
+                T.copy(cc_frag, ag_shared)
                 T.reduce_sum(kk_frag, r_dn, dim=1, batch=2)
                 for i in T.Parallel(C):
                     vec_shared[5, i] = r_dn[i]                                       # dbeta, 2nd
@@ -340,9 +350,13 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 # ---- dQ = (scale E dO) S0^T + (dP * G) K and
                 # dK = (D U) dS1^T + (dP * G)^T Q - E dX S0^T + bdN K + bdN^T K: the row
                 # factors go into dO and U (their last use), then seven products in flight
+                T.copy(do_shared, cv_frag)
+                T.copy(u_shared, du_frag)
                 for i, j in T.Parallel(C, V):
-                    do_shared[i, j] = do_shared[i, j] * (scale * T.exp2(gam_shared[i]))
-                    u_shared[i, j] = u_shared[i, j] * T.exp2(gam_shared[C - 1] - gam_shared[i])
+                    cv_frag[i, j] = cv_frag[i, j] * (scale * T.exp2(gam_shared[i]))
+                    du_frag[i, j] = du_frag[i, j] * T.exp2(gam_shared[C - 1] - gam_shared[i])
+                T.copy(cv_frag, do_shared)
+                T.copy(du_frag, u_shared)
                 T.fence_proxy_async()
                 T.sync_threads()
                 T.wgmma_gemm(do_shared, s0_shared, dq_frag, transpose_B=True, clear_accum=True)
@@ -370,10 +384,10 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                         (vec_shared[4, i] - vec_shared[6, i] + vec_shared[0, i]
                          + vec_shared[3, i] - vec_shared[1, i]),
                         0.0)
+                    vec_shared[7, i] = T.exp2(gam_shared[C - 1]) * (ss_shared[i] + ss_shared[i + C])
                 for i, m in T.Parallel(C, C):
                     cc_frag[i, m] = (T.if_then_else(m >= i, dgam_shared[m], 0.0)
-                                     + vec_shared[1, m] + T.exp2(gam_shared[C - 1])
-                                     * (ss_shared[m] + ss_shared[m + C]))
+                                     + vec_shared[1, m] + vec_shared[7, m])
                 T.reduce_sum(cc_frag, r_dg, dim=1, batch=2)
                 for i in T.Parallel(C):
                     if i < rows:
