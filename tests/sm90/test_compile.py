@@ -72,13 +72,13 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     fwd_tilings = 1 + traits.FWD_NARROW_TILING + traits.FWD_WIDE_TILING + traits.FWD_TRANSPOSED
     warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # the bounded split
     # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0
-    # x store_h, the backward's states-only ws x has_h0 x (warm-up x h dtype, unsplit),
+    # x store_h, the backward's states-only ws x has_h0 x (warm-up, unsplit) x h dtype,
     # the dh sweep (below), intra x dq / dk dtype x state dtype
-    if traits.BWD_DH_AUX_WARPGROUP:          # chunk_bwd_dh_ws x has_dht x 3 flag sets
-        dh = 6
+    if traits.BWD_DH_AUX_WARPGROUP:          # chunk_bwd_dh_ws x has_dht x 4 flag sets
+        dh = 8
     else:                                    # chunk_bwd_dh x has_dht x tiling (+ warm-up
         dh = 2 * (1 + traits.FWD_NARROW_TILING) + 8 * warmup   # x 2 tilings x dS1 dtype)
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 10 * warmup + dh + 4)
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 12 * warmup + dh + 4)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -96,8 +96,8 @@ def test_experimental_variants_add_the_kernels_that_are_off():
 
     both = transposed(True)
     # (kernel x has_h0 x store_h, + ws's warm-up x has_h0 x store_h, + its states-only
-    # variants x has_h0: warm-up x h dtype, unsplit) x dtype
-    assert len(both) == (2 * 4 + 4 + 6) * len(traits.DTYPES)
+    # variants x has_h0 x (warm-up, unsplit) x h dtype) x dtype
+    assert len(both) == (2 * 4 + 4 + 8) * len(traits.DTYPES)
     assert transposed(False) <= both
     builders = [b for b, _ in variants(True)]
     assert all(b in builders for b in PREPARE_KERNELS.values())      # both prepare kernels

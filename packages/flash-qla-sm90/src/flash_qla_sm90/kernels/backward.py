@@ -28,6 +28,7 @@ from .forward import (
     _packed,
     _sm_count,
     _walk_args,
+    fused_plan,
     fused_tiling,
     layout_for,
     static_flags,
@@ -71,14 +72,26 @@ def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens) -> Packed:
 
 
 def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
-                 cu_seqlens_cpu, packed: Packed | None = None):
-    """Chunk-start states h ``[NT, Hv, K, V]`` fp32 from the forward's saved g_cumsum and
-    A (the fused kernel alone; ``chunk_fwd_ws`` skips o, the others compute and drop
-    it). ``packed``: the same inputs already packed (:func:`pack`)."""
+                 cu_seqlens_cpu, packed: Packed | None = None, h_in_dtype: bool = False):
+    """Chunk-start states h ``[NT, Hv, K, V]`` fp32 (q's dtype with ``h_in_dtype``, where
+    :func:`states_in_dtype` says so) from the forward's saved g_cumsum and A (the fused
+    kernel alone; ``chunk_fwd_ws`` skips o, the others compute and drop it). ``packed``:
+    the same inputs already packed (:func:`pack`)."""
     p = packed or pack(q, k, v, g_cumsum, beta, A, None, cu_seqlens)
     return _fused(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
                   initial_state=initial_state, alloc=torch.empty,
-                  num_chunks=total_chunks(p.layout, cu_seqlens_cpu), states_only=True)[2]
+                  num_chunks=total_chunks(p.layout, cu_seqlens_cpu), h_in_dtype=h_in_dtype,
+                  states_only=True)[2]
+
+
+def states_in_dtype(layout: ChunkLayout, Hv: int, K: int, V: int, device) -> bool:
+    """Whether the unsplit backward keeps h and dS1 in q's dtype
+    (``traits.BWD_STATES_IN_DTYPE``): where ``chunk_fwd_ws`` recomputes h, the
+    warp-specialised sweep writes dS1 and ``chunk_bwd_intra`` reads both (it rounds them
+    to its GEMM operands anyway): half the state traffic."""
+    return (traits.BWD_STATES_IN_DTYPE and traits.BWD_DH_KERNEL and traits.BWD_INTRA_KERNEL
+            and dh_aux_warpgroup(K, V)
+            and fused_plan(layout.num_seqs, Hv, K, V, _sm_count(device))[0] == "ws")
 
 
 def dh_aux_warpgroup(K: int, V: int) -> bool:
@@ -92,16 +105,16 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32.
     With ``ends`` (``flash_qla.segments.WalkEnds``, ``cu_seqlens`` the segments): the
     bounded split's sweep (the sweep kernel with ``warmup``, which searches each walk's
-    end itself), dh0 per segment; there ``ds1_in_dtype`` stores dS1 in q's dtype
-    instead of fp32. The kernel: :func:`dh_aux_warpgroup`. ``packed``: the same inputs
-    already packed (:func:`pack`)."""
+    end itself), dh0 per segment. ``ds1_in_dtype`` stores dS1 in q's dtype instead of
+    fp32 (the bounded sweep, or ``chunk_bwd_dh_ws``). The kernel: :func:`dh_aux_warpgroup`.
+    ``packed``: the same inputs already packed (:func:`pack`)."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
     p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens)
     layout = p.layout
     warmup = ends is not None
-    if ds1_in_dtype and not warmup:
-        raise ValueError("ds1_in_dtype: only the bounded split's sweep (ends) stores "
-                         "dS1 in q's dtype")
+    if ds1_in_dtype and not (warmup or dh_aux_warpgroup(K, V)):
+        raise ValueError("ds1_in_dtype: only the bounded split's sweep (ends) and "
+                         "chunk_bwd_dh_ws store dS1 in q's dtype")
     dS1 = torch.empty(total_chunks(layout, cu_seqlens_cpu), Hv, K, V,
                       dtype=q.dtype if ds1_in_dtype else torch.float32, device=q.device)
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
@@ -162,11 +175,14 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
         use_intra_kernel = traits.BWD_INTRA_KERNEL
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
+    in_dtype = (use_dh_kernel and use_intra_kernel
+                and states_in_dtype(p.layout, v.shape[2], q.shape[-1], v.shape[-1], q.device))
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
-                     **common)
+                     h_in_dtype=in_dtype, **common)
     dS1 = dh0 = None
     if use_dh_kernel:
-        dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p, **common)
+        dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p,
+                               ds1_in_dtype=in_dtype, **common)
         if use_intra_kernel:
             from .chunk_bwd_intra import chunk_grads
 

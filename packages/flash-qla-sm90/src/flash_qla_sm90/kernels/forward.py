@@ -312,9 +312,10 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     ``TRANSPOSED_KERNELS``, overriding :func:`fused_plan`'s choice (tuning).
     ``walks``: the bounded split's walk rule (``flash_qla.segments.WalkStarts``), run
     by ``chunk_fwd_ws`` with ``warmup``, which searches each walk's start itself (the
-    sequences of ``layout`` are the segments); with it, ``h_in_dtype`` stores h in q's
-    dtype instead of fp32. ``states_only`` (the backward's recompute of h): where the
-    kernel is ``chunk_fwd_ws``, o is neither computed nor written (left as allocated).
+    sequences of ``layout`` are the segments). ``h_in_dtype`` stores h in q's dtype
+    instead of fp32 (``chunk_fwd_ws`` only: with ``walks``, or ``states_only`` where the
+    plan picks it). ``states_only`` (the backward's recompute of h): where the kernel is
+    ``chunk_fwd_ws``, o is neither computed nor written (left as allocated).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -324,9 +325,11 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     has_h0 = initial_state is not None
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
-    if h_in_dtype and walks is None:
-        raise ValueError("h_in_dtype: only the bounded split's kernel (walks) stores h "
-                         "in q's dtype")
+    if walks is None and tiling is None:
+        tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
+    if h_in_dtype and walks is None and not (states_only and tiling == "ws"):
+        raise ValueError("h_in_dtype: only chunk_fwd_ws stores h in q's dtype (the "
+                         f"bounded split's walks, or states_only); the plan is {tiling!r}")
     h = (final_state.new_empty(num_chunks, Hv, K, V,
                                dtype=q.dtype if h_in_dtype else torch.float32)
          if store_h else _no_h(q.device, Hv, K, V))
@@ -336,12 +339,10 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
             True, h_in_dtype and store_h, states_only and store_h))
         extra = _walk_args(walks, q.device)
     else:
-        if tiling is None:
-            tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
         extra = _walk_args(None, q.device) if tiling == "ws" else ()   # ws only: unread
         if tiling == "ws" and states_only and store_h:
             kernel = launcher(chunk_fwd_ws_kernel, dtype, K, V, has_h0, store_h,
-                              *static_flags(False, False, states_only))
+                              *static_flags(False, h_in_dtype, states_only))
         elif tiling in TRANSPOSED_KERNELS:
             kernel = launcher(TRANSPOSED_KERNELS[tiling], dtype, K, V, has_h0, store_h)
         else:

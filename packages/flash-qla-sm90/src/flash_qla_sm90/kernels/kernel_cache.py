@@ -67,13 +67,15 @@ def variants(experimental: bool = False):
                                 for h_in_dtype in (False, True):      # warm-up
                                     yield transposed, (dtype, K, V, has_h0, True, True,
                                                        h_in_dtype, True)
-                                yield transposed, (dtype, K, V, has_h0, True, False, False,
-                                                   True)                    # unsplit
+                                for h_in_dtype in (False, True):      # unsplit
+                                    yield transposed, (dtype, K, V, has_h0, True, False,
+                                                       h_in_dtype, True)
             ws_dh = (K, V) == (128, 128) and traits.BWD_DH_AUX_WARPGROUP
             for has_dht in (False, True):
                 if ws_dh or (experimental and (K, V) == (128, 128)):
-                    for flags in ((), (True,), (True, True)):   # warm-up, dS1 in dtype
+                    for flags in ((), (True,), (True, True), (False, True)):
                         yield chunk_bwd_dh_ws_kernel, (dtype, K, V, has_dht, *flags)
+                        # (warm-up, dS1 in dtype): unsplit / bounded, fp32 / dtype
                 if ws_dh and not experimental:
                     continue
                 yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht)

@@ -167,12 +167,14 @@ BWD_DH_KERNEL = True
 #: state (the forward's 3.9; the old sweep ~5.5 per V half): NOT yet run on the H200.
 BWD_DH_AUX_WARPGROUP = True
 
-#: The bounded split's backward keeps its chunk states (h from the warm-up forward, dS1
-#: from the warm-up reverse sweep) in q's dtype instead of fp32: half of ~2 GB of state
-#: traffic at 16/16 1x32768 (predicted -0.25 ms of 3.25). The per-chunk gradient kernel
-#: rounds both to q's dtype GEMM operands anyway; rounding them for every use changes the
-#: gradients by ~1e-3 (CPU emulation, docs/perf-notes.md v8). NOT yet run on the H200
-#: (branch next/bf16-states): False restores fp32 states.
+#: The backward keeps its chunk states (h from the recompute, dS1 from the reverse sweep)
+#: in q's dtype instead of fp32: half of ~2 GB of state traffic at 16/16 1x32768. The
+#: per-chunk gradient kernel rounds both to q's dtype GEMM operands anyway; rounding them
+#: for every use changes the gradients by ~1e-3 (CPU emulation, docs/perf-notes.md v8).
+#: The bounded split's backward: on the H200 since v9 (intra -139 us, ws / dh +33 / +26
+#: at 16/16 1x32768). The unsplit backward where chunk_fwd_ws and chunk_bwd_dh_ws write
+#: them (``backward.states_in_dtype``): branch next/v13-kernels, NOT yet run on the H200.
+#: False restores fp32 states on both paths.
 BWD_STATES_IN_DTYPE = True
 
 #: Use the ``chunk_bwd_intra`` kernel for the per-chunk gradients (needs BWD_DH_KERNEL);
