@@ -116,3 +116,31 @@ def test_low_level_backward_returns_dbeta_in_beta_dtype(sm90_without_launches, B
     assert sm90_without_launches == ["chunk_bwd"]       # the low level never splits
     assert (dbeta.dtype, dbeta.shape) == (beta.dtype, beta.shape)
     assert (dg.dtype, dq.dtype, dv.dtype) == (torch.float32, q.dtype, v.dtype)
+
+
+@pytest.mark.parametrize("in_dtype", [True, False])
+def test_unsplit_backward_keeps_states_in_q_dtype(sm90_without_launches, monkeypatch,
+                                                  in_dtype):
+    """The unsplit backward (4 x 2048 at 16 heads: the plan picks chunk_fwd_ws) hands the
+    intra kernel h and dS1 in q's dtype with ``traits.BWD_STATES_IN_DTYPE``, fp32
+    without it; no conversion copy either way."""
+    import flash_qla
+    from flash_qla_sm90.kernels import backward, chunk_bwd_intra, traits
+
+    monkeypatch.setattr(traits, "BWD_STATES_IN_DTYPE", in_dtype)
+    seen = []
+    real = chunk_bwd_intra.chunk_grads
+    monkeypatch.setattr(chunk_bwd_intra, "chunk_grads", lambda *a, **kw: (
+        seen.append((a[7].dtype, a[8].dtype)), real(*a, **kw))[1])
+    (q, k, v, g, beta, h0), do, dht = _inputs(4, 2048, 16, requires_grad=False)
+    g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(q, k, v, g, beta,
+                                                                initial_state=h0)
+    count = _OpCount()
+    with count:
+        flash_qla.chunk_gated_delta_rule_bwd(q, k, v, g_cumsum, beta, A, do, dht,
+                                             initial_state=h0)
+    want = q.dtype if in_dtype else torch.float32
+    assert sm90_without_launches == ["chunk_bwd"] and seen == [(want, want)], seen
+    assert count.ops["aten._to_copy"] == 2, count.ops          # beta up, dbeta back only
+    assert backward.states_in_dtype(backward.layout_for(q, None), 16, 128, 128,
+                                    q.device) is in_dtype
