@@ -65,6 +65,7 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
     decay = exp2(torch.clamp(gam[:, None] - gam[None, :], max=0.0))      # [C,C]
     p = rnd(torch.where(live, qk * decay, 0.0))
     ag = rnd(torch.where(live, a_c * decay * b[None, :], 0.0))
+    g_s = rnd(torch.where(live, decay, 0.0))             # G, masked, in dP * G's slot
     ks0 = k_c @ s0_s                                                     # [C,V]
     x_c = rnd(x_c - exp2(gam)[:, None] * ks0)                            # X
     vec0 = ((q_c @ s0_s) * do_c).sum(dim=1) * scale * exp2(gam)          # [C]
@@ -78,7 +79,7 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
     vec1 = torch.where(i < rows, (kds * u).sum(dim=1), 0.0)              # dD
 
     # dAg
-    dagg = torch.where(live, (du @ x_c.T) * decay, 0.0)                  # dAg * G
+    dagg = (du @ x_c.T) * g_s                                            # dAg * G
     m = rnd(dagg * b[None, :])
     vec2 = (dagg * a_c).sum(dim=0)                                       # dbeta, 1st
     dgg = dagg * a_c * b[None, :]
@@ -90,7 +91,7 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
     edx = rnd(edx)
 
     # dP
-    dpg = torch.where(live, (do_c @ u_s.T) * scale * decay, 0.0)         # dP * G
+    dpg = (do_c @ u_s.T) * scale * g_s                                   # dP * G
     dgg = dgg + dpg * qk
     dpg = rnd(dpg)
     vec4, vec6 = dgg.sum(dim=1), dgg.sum(dim=0)

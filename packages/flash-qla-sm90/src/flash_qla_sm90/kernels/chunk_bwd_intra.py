@@ -211,11 +211,13 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 for i, j in T.Parallel(C, C):
                     live = (i >= j) & (i < rows)
                     decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
+                    am_frag[i, j] = T.if_then_else(live, decay, 0.0)               # G, masked
                     cc_frag[i, j] = T.if_then_else(live, qk_frag[i, j] * decay, 0.0)
                     kk_frag[i, j] = T.if_then_else(
                         live, dgg_frag[i, j] * decay * beta_shared[j], 0.0)
                 T.copy(cc_frag, p_shared)
                 T.copy(kk_frag, ag_shared)
+                T.copy(am_frag, dpg_shared)                   # G until dP * G replaces it
                 T.ptx_wait_group(0)                                  # v, dO (S0, dS1)
                 T.sync_threads()
                 zero_rows_past(u_shared, rows)
@@ -287,11 +289,10 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.wgmma_gemm(du_shared, x_shared, cc_frag, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)
                 T.copy(a_shared, kk_frag)                                             # A
+                T.copy(dpg_shared, dgg_frag)                                          # G
                 T.wait_wgmma(1)                                                       # dAg
                 for i, j in T.Parallel(C, C):
-                    live = (i >= j) & (i < rows)
-                    decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
-                    dagg = T.if_then_else(live, cc_frag[i, j] * decay, 0.0)              # dAg * G
+                    dagg = cc_frag[i, j] * dgg_frag[i, j]               # dAg * G (0: masked)
                     am_frag[i, j] = dagg * beta_shared[j]                                # M
                     cc_frag[i, j] = dagg * kk_frag[i, j]                                 # dAg * GA
                     dgg_frag[i, j] = dagg * kk_frag[i, j] * beta_shared[j]               # M * A
@@ -321,9 +322,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                              clear_accum=True)                                        # A^T M
                 T.wait_wgmma(2)                                                       # dP
                 for i, j in T.Parallel(C, C):
-                    live = (i >= j) & (i < rows)
-                    decay = T.exp2(T.min(gam_shared[i] - gam_shared[j], 0.0))
-                    dpg = T.if_then_else(live, cc_frag[i, j] * scale * decay, 0.0)
+                    dpg = cc_frag[i, j] * scale * T.cast(dpg_shared[i, j], f32)         # * G
                     cc_frag[i, j] = dpg
                     dgg_frag[i, j] = dgg_frag[i, j] + dpg * qk_frag[i, j]
                 T.copy(cc_frag, dpg_shared)
