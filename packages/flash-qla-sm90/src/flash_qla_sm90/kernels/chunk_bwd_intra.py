@@ -29,7 +29,9 @@ and only formed for i >= j):
 Rows past the end of a sequence (a tail chunk reads the next sequence's rows, padding
 tokens, or the zeros past the tensor end) have q, k, v and dO zeroed in shared memory
 (padding may hold NaN, which no mask cancels), and are cancelled exactly: beta
-and every [C, C] factor (P, Ag, M, dP * G, dN) are zeroed outside ``j <= i < rows``,
+and every [C, C] factor (P, Ag, M, dP * G, dN) is zero outside ``j <= i < rows`` (P,
+Ag, G and dN by selects; M and dP * G as products with the masked G, exact zeros while
+dAg and dP are finite, which the zeroed rows and finite states make them),
 the gate is clamped to the last valid row (so gam2_C is the sequence's last gam), the
 per-row gate terms are zeroed and only valid rows are stored.
 
@@ -66,7 +68,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
     """Build the per-chunk gradient kernel for q/k/v dtype ``dtype`` and head dims K, V.
     ``qk_grads_in_dtype``: dq, dk are written in ``dtype`` (Hv = Hk: no GVA sum follows,
     so the fp32 copies and their casts are saved), else in fp32. ``states_in_dtype``: h
-    and dS1 come in ``dtype`` (the bounded backward's), else in fp32; either way they
+    and dS1 come in ``dtype`` (``backward``'s whenever ``traits.BWD_STATES_IN_DTYPE``
+    applies), else in fp32; either way they
     become ``dtype`` GEMM operands, and only ``<S0, dS1>`` (for dg) is summed in fp32.
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences, NT real
@@ -131,7 +134,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
             u_shared = T.alloc_shared((C, V), dtype)          # V, then U
             du_shared = T.alloc_shared((C, V), dtype)         # dU, then -E dX
             m_shared = T.alloc_shared((C, C), dtype)          # M = dAg diag(beta) * G
-            dpg_shared = T.alloc_shared((C, C), dtype)        # dP * G
+            dpg_shared = T.alloc_shared((C, C), dtype)        # G (masked), then dP * G
             # per-row vectors (fp32)
             gam_shared = T.alloc_shared((C,), f32)            # log2-scaled chunk cumsum
             beta_shared = T.alloc_shared((C,), f32)
@@ -147,9 +150,9 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
             ss_acc = T.alloc_fragment((K,), f32)
             qk_frag = T.alloc_fragment((C, C), f32)           # Q K^T
             cc_frag = T.alloc_fragment((C, C), f32)
-            kk_frag = T.alloc_fragment((C, C), f32)           # K K^T
-            dgg_frag = T.alloc_fragment((C, C), f32)          # dG * G
-            am_frag = T.alloc_fragment((C, C), f32)           # A^T M
+            kk_frag = T.alloc_fragment((C, C), f32)           # Ag, A, then K K^T
+            dgg_frag = T.alloc_fragment((C, C), f32)          # A, G, then dG * G
+            am_frag = T.alloc_fragment((C, C), f32)           # G, M, then A^T M
             ks0_frag = T.alloc_fragment((C, V), f32)          # K S0
             cv_frag = T.alloc_fragment((C, V), f32)
             u_frag = T.alloc_fragment((C, V), f32)
@@ -401,7 +404,8 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
 
     Args (``Kernels.bwd`` shapes): q, k ``[B, T, Hk, K]``; v, do ``[B, T, Hv, V]``;
     g_cumsum, beta ``[B, T, Hv]``; A ``[B, T, Hv, C]``; h (chunk-start states) and dS1
-    (state gradient at each chunk's end) ``[NT, Hv, K, V]`` fp32 in chunk order;
+    (state gradient at each chunk's end) ``[NT, Hv, K, V]`` in chunk order, fp32 or both in
+    q's dtype (the kernel variant follows);
     cu_seqlens / cu_seqlens_cpu ``[N + 1]`` or None (dense); ``packed``: the same
     inputs already packed (``backward.Packed``; q, k, v, do, A in q's dtype).
 
@@ -428,7 +432,7 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     alloc = torch.zeros if zero else torch.empty
     in_dtype = Hv == Hk                       # no GVA sum: the kernel writes q's dtype
     qk_dtype = dt if in_dtype else torch.float32
-    states_in_dtype = h.dtype == dt and dS1.dtype == dt      # the bounded backward's
+    states_in_dtype = h.dtype == dt and dS1.dtype == dt      # backward.states_in_dtype
     state_dtype = dt if states_in_dtype else torch.float32
     dq = alloc(Tt, Hv, K, dtype=qk_dtype, device=q.device)
     dk = alloc(Tt, Hv, K, dtype=qk_dtype, device=q.device)

@@ -87,7 +87,7 @@ def variants(experimental: bool = False):
                         yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, block_v, True,
                                                     True)               # dS1 in dtype
             for qk_in_dtype in (False, True):                   # True: Hv = Hk
-                for states_in_dtype in (False, True):           # True: bounded backward
+                for states_in_dtype in (False, True):           # True: h, dS1 in dtype
                     yield chunk_bwd_intra_kernel, (dtype, K, V, *static_flags(
                         qk_in_dtype, states_in_dtype))
 
