@@ -238,7 +238,9 @@ def test_backward_dh_kernel_compiles_to_wgmma_and_tma():
     assert "tma_load" in src
 
 
-@pytest.mark.parametrize("qk_grads_in_dtype", [False, True])
+# qk_grads_in_dtype=False (per-head fp32 dq / dk) is shipped only without
+# traits.BWD_GVA_GRADS_IN_DTYPE: the test compiles what the cache ships
+@pytest.mark.parametrize("qk_grads_in_dtype", [True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_intra_kernel_compiles_to_wgmma(dtype, qk_grads_in_dtype):
     # one chunk per CTA, no loop to pipeline: guarded cp.async tile loads, WGMMA GEMMs

@@ -144,3 +144,37 @@ def test_unsplit_backward_keeps_states_in_q_dtype(sm90_without_launches, monkeyp
     assert count.ops["aten._to_copy"] == 2, count.ops          # beta up, dbeta back only
     assert backward.states_in_dtype(backward.layout_for(q, None), 16, 128, 128,
                                     q.device) is in_dtype
+
+
+@pytest.mark.parametrize("in_dtype", [True, False])
+def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, monkeypatch,
+                                                       in_dtype):
+    """GVA (Hv = 2 Hk): with ``traits.BWD_GVA_GRADS_IN_DTYPE`` the intra kernel's variant
+    writes dq, dk per value head in q's dtype and one reduction per tensor sums the heads
+    (no cast copy after it); without, fp32 per head and a cast of each sum."""
+    import flash_qla
+    from flash_qla_sm90.kernels import chunk_bwd_intra, traits
+
+    monkeypatch.setattr(traits, "BWD_GVA_GRADS_IN_DTYPE", in_dtype)
+    launched = []
+    real = chunk_bwd_intra.launcher
+
+    def spy(builder, *static):
+        run = real(builder, *static)
+        return lambda *args: (launched.append((static, args[13].dtype, args[14].dtype)),
+                              run(*args))[1]
+
+    monkeypatch.setattr(chunk_bwd_intra, "launcher", spy)
+    (q, k, v, g, beta, h0), do, dht = _inputs(4, 256, 4, requires_grad=False)
+    q, k = q[:, :, :2].contiguous(), k[:, :, :2].contiguous()          # Hk = 2, Hv = 4
+    g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(q, k, v, g, beta,
+                                                                initial_state=h0)
+    count = _OpCount()
+    with count:
+        dq, dk, *_ = flash_qla.chunk_gated_delta_rule_bwd(q, k, v, g_cumsum, beta, A, do,
+                                                          dht, initial_state=h0)
+    want = q.dtype if in_dtype else torch.float32
+    assert [(s[3], dq_t, dk_t) for s, dq_t, dk_t in launched] == [(in_dtype, want, want)]
+    assert (dq.dtype, dq.shape, dk.dtype) == (q.dtype, q.shape, k.dtype)
+    assert count.ops["aten.sum"] == 2, count.ops                      # dq's and dk's
+    assert count.ops["aten._to_copy"] == (2 if in_dtype else 4), count.ops

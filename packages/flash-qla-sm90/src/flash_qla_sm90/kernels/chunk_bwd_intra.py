@@ -411,14 +411,16 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
 
     Returns ``(dq, dk, dv, dbeta, dg)`` like
     :func:`flash_qla.chunk_parallel.chunk_gated_delta_rule_bwd_parallel`: dq, dk
-    ``[B, T, Hk, K]`` in q's / k's dtype (per value head from the kernel in fp32, then
-    summed over the G = Hv / Hk value heads of each q/k head, deterministically; written
-    in q's dtype by the kernel when Hv = Hk); dv
+    ``[B, T, Hk, K]`` in q's / k's dtype (per value head from the kernel, in q's dtype
+    with ``traits.BWD_GVA_GRADS_IN_DTYPE`` or when Hv = Hk, else fp32, then summed over
+    the G = Hv / Hk value heads of each q/k head by one deterministic torch reduction,
+    which accumulates in fp32); dv
     ``[B, T, Hv, V]`` in v's dtype; dbeta ``[B, T, Hv]`` in beta's dtype; dg
     ``[B, T, Hv]`` fp32. Padding tokens after ``cu_seqlens[-1]`` get zeros.
     """
     from flash_qla.reference import _reduce_heads
 
+    from . import traits
     from .backward import pack
     from .forward import _DTYPE_NAMES, _zero_padding_rows, static_flags
 
@@ -430,7 +432,7 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     NT = h.numel() // (Hv * K * V)
     zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
     alloc = torch.zeros if zero else torch.empty
-    in_dtype = Hv == Hk                       # no GVA sum: the kernel writes q's dtype
+    in_dtype = Hv == Hk or traits.BWD_GVA_GRADS_IN_DTYPE    # dq, dk per value head
     qk_dtype = dt if in_dtype else torch.float32
     states_in_dtype = h.dtype == dt and dS1.dtype == dt      # backward.states_in_dtype
     state_dtype = dt if states_in_dtype else torch.float32
@@ -447,7 +449,7 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
             dS1.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             p.layout.cu_seqlens, p.layout.chunk_offsets, p.layout.chunk_idx, float(scale),
             dq, dk, dv, dbeta, dg)
-    return (_reduce_heads(dq.view(B, T, Hv, K), Hk).to(q.dtype),
+    return (_reduce_heads(dq.view(B, T, Hv, K), Hk).to(q.dtype),   # in dtype: fp32 sums
             _reduce_heads(dk.view(B, T, Hv, K), Hk).to(k.dtype),
             dv.view(B, T, Hv, V).to(v.dtype),
             dbeta.view(B, T, Hv).to(beta.dtype),

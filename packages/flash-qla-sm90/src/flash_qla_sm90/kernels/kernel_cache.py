@@ -86,7 +86,8 @@ def variants(experimental: bool = False):
                         yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, block_v, True)
                         yield chunk_bwd_dh_kernel, (dtype, K, V, has_dht, block_v, True,
                                                     True)               # dS1 in dtype
-            for qk_in_dtype in (False, True):                   # True: Hv = Hk
+            # qk_in_dtype False: per-head fp32 dq / dk, only without BWD_GVA_GRADS_IN_DTYPE
+            for qk_in_dtype in (True,) if traits.BWD_GVA_GRADS_IN_DTYPE else (False, True):
                 for states_in_dtype in (False, True):           # True: h, dS1 in dtype
                     yield chunk_bwd_intra_kernel, (dtype, K, V, *static_flags(
                         qk_in_dtype, states_in_dtype))

@@ -173,9 +173,17 @@ BWD_DH_AUX_WARPGROUP = True
 #: for every use changes the gradients by ~1e-3 (CPU emulation, docs/perf-notes.md v8).
 #: The bounded split's backward: on the H200 since v9 (intra -139 us, ws / dh +33 / +26
 #: at 16/16 1x32768). The unsplit backward where chunk_fwd_ws and chunk_bwd_dh_ws write
-#: them (``backward.states_in_dtype``): branch next/v13-kernels, NOT yet run on the H200.
-#: False restores fp32 states on both paths.
+#: them (``backward.states_in_dtype``): verified on an H200 2026-12-01 (v14 call 1: GPU
+#: tests 62 + 8 passed). False restores fp32 states on both paths.
 BWD_STATES_IN_DTYPE = True
+
+#: ``chunk_bwd_intra`` writes the per-value-head dq, dk in q's dtype under GVA too (Hv > Hk);
+#: the G = Hv / Hk heads of each q/k head are then summed by one torch reduction that
+#: accumulates in fp32 and writes q's dtype. False: per-head fp32 (twice the bytes
+#: written and read back, and a cast kernel after the sum: v14 call 2 measured the GVA
+#: backward at 16/32 8x4096 3.90 ms against 2 x 1.60 for 16/16). Hv = Hk writes q's
+#: dtype either way (no sum follows).
+BWD_GVA_GRADS_IN_DTYPE = True
 
 #: Use the ``chunk_bwd_intra`` kernel for the per-chunk gradients (needs BWD_DH_KERNEL);
 #: verified on an H200 2026-11-30 (test_intra_kernel_matches_torch_chunk_grads 5/5 and
