@@ -259,6 +259,35 @@ def test_sass_report_charges_inlined_instructions_to_their_call_site():
         12: {"IMAD": 1}, 40: {"HGMMA": 1, "BRA": 1}, 0: {"R2UR": 1}}
 
 
+
+def test_ncu_roles_splits_stall_samples_at_setmaxnreg(tmp_path):
+    """tools/ncu_roles.py: instructions belong to the role whose USETMAXREG precedes
+    them (DEALLOC: aux, else state); each row's top stall reasons are listed; the .xz
+    of v14 call 2's dh sweep reads too (~45% of its state samples on PRMT / STG / F2FP)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import ncu_roles
+
+    head = ["Address", "Source", ncu_roles.SAMPLES, ncu_roles.EXECUTED, "stall_long_sb",
+            "stall_wait", "stall_long_sb (Not Issued)"]
+    body = [["0", "LDC R1, c[0x0][0x28]", "2", "10", "0", "2", "0"],
+            ["1", "USETMAXREG.DEALLOC.CTAPOOL 0x58", "0", "10", "0", "0", "0"],
+            ["2", "FMUL R2, R2, R3", "5", "40", "1", "4", "1"],
+            ["3", "USETMAXREG.TRYALLOC.CTAPOOL 0xd0", "0", "20", "0", "0", "0"],
+            ["4", "@!P1 BRA 0x10", "7", "80", "7", "0", "7"]]
+    path = tmp_path / "ncu-sass.csv"
+    path.write_text("\n".join(",".join(f'"{c}"' for c in row)
+                              for row in [["Kernel Name", "k"], head, *body]))
+    per_role, per_insn = ncu_roles.split_by_role(*ncu_roles.read_rows(str(path)))
+    assert per_role == {"prologue": [2, 10], "aux@1": [5, 50], "state@3": [7, 100]}
+    assert per_insn[4][2:] == ("state@3", "@!P1 BRA 0x10", "long_sb 7")
+    dh = os.path.join(REPO, "benchmark", "results", "H200-v14-2026-12-01", "call2", "ncu-dh",
+                      "ncu-sass.csv.xz")
+    per_role, per_insn = ncu_roles.split_by_role(*ncu_roles.read_rows(dh))
+    state = [x for x in per_insn if x[2].startswith("state")]
+    store = sum(n for n, _, _, src, _ in state if src.split()[0] in ("PRMT", "STG", "F2FP")
+                or src.split()[0].split(".")[0] in ("PRMT", "STG", "F2FP"))
+    assert 0.4 < store / sum(n for n, *_ in state) < 0.5
+
 def test_segment_len_option():
     assert C.segment_len_arg("4096") == 4096
     assert C.segment_len_arg("off") == "off"
