@@ -20,8 +20,6 @@ import csv
 import io
 import lzma
 
-from tabulate import tabulate
-
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 
@@ -68,6 +66,8 @@ def main(argv=None) -> None:
     p.add_argument("csv", help="ncu-sass.csv (or .csv.xz) of one kernel")
     p.add_argument("--top", type=int, default=25, help="instructions to list")
     args = p.parse_args(argv)
+    from tabulate import tabulate  # the bench extra; reading needs only the stdlib
+
     per_role, per_insn = split_by_role(*read_rows(args.csv))
     total = sum(v[0] for v in per_role.values()) or 1
     print(tabulate([(k, s, f"{s / total:.1%}", e) for k, (s, e) in per_role.items()],

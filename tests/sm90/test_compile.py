@@ -73,12 +73,14 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # the bounded split
     # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0
     # x store_h, the backward's states-only ws x has_h0 x (warm-up, unsplit) x h dtype,
-    # the dh sweep (below), intra x dq / dk dtype x state dtype
+    # the dh sweep (below), intra x state dtype (dq / dk per head in q's dtype with
+    # BWD_GVA_GRADS_IN_DTYPE, else also in fp32)
     if traits.BWD_DH_AUX_WARPGROUP:          # chunk_bwd_dh_ws x has_dht x 4 flag sets
         dh = 8
     else:                                    # chunk_bwd_dh x has_dht x tiling (+ warm-up
         dh = 2 * (1 + traits.FWD_NARROW_TILING) + 8 * warmup   # x 2 tilings x dS1 dtype)
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 12 * warmup + dh + 4)
+    intra = 2 * (1 + (not traits.BWD_GVA_GRADS_IN_DTYPE))
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 12 * warmup + dh + intra)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
