@@ -284,8 +284,8 @@ def test_ncu_roles_splits_stall_samples_at_setmaxnreg(tmp_path):
                       "ncu-sass.csv.xz")
     per_role, per_insn = ncu_roles.split_by_role(*ncu_roles.read_rows(dh))
     state = [x for x in per_insn if x[2].startswith("state")]
-    store = sum(n for n, _, _, src, _ in state if src.split()[0] in ("PRMT", "STG", "F2FP")
-                or src.split()[0].split(".")[0] in ("PRMT", "STG", "F2FP"))
+    store = sum(n for n, _, _, src, _ in state
+                if src.split()[0].split(".")[0] in ("PRMT", "STG", "F2FP"))
     assert 0.4 < store / sum(n for n, *_ in state) < 0.5
 
 def test_segment_len_option():

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import io
 import lzma
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -29,7 +28,7 @@ def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
     line names the kernel, the second is the header."""
     opener = lzma.open if path.endswith(".xz") else open
     with opener(path, "rt", newline="") as f:
-        rows = list(csv.reader(io.StringIO(f.read())))
+        rows = list(csv.reader(f))
     return rows[1], [r for r in rows[2:] if len(r) == len(rows[1])]
 
 

@@ -66,10 +66,10 @@ from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
 def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool = False,
                            states_in_dtype: bool = False):
     """Build the per-chunk gradient kernel for q/k/v dtype ``dtype`` and head dims K, V.
-    ``qk_grads_in_dtype``: dq, dk are written in ``dtype`` (Hv = Hk: no GVA sum follows,
-    so the fp32 copies and their casts are saved), else in fp32. ``states_in_dtype``: h
-    and dS1 come in ``dtype`` (``backward``'s whenever ``traits.BWD_STATES_IN_DTYPE``
-    applies), else in fp32; either way they
+    ``qk_grads_in_dtype``: dq, dk (per value head) are written in ``dtype`` (always with
+    ``traits.BWD_GVA_GRADS_IN_DTYPE``; else only where Hv = Hk, no GVA sum following),
+    else in fp32. ``states_in_dtype``: h and dS1 come in ``dtype`` (``backward``'s
+    whenever ``traits.BWD_STATES_IN_DTYPE`` applies), else in fp32; either way they
     become ``dtype`` GEMM operands, and only ``<S0, dS1>`` (for dg) is summed in fp32.
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences, NT real
@@ -449,7 +449,8 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
             dS1.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             p.layout.cu_seqlens, p.layout.chunk_offsets, p.layout.chunk_idx, float(scale),
             dq, dk, dv, dbeta, dg)
-    return (_reduce_heads(dq.view(B, T, Hv, K), Hk).to(q.dtype),   # in dtype: fp32 sums
+    # the head sums accumulate in fp32 either way; the casts act only on fp32 per-head grads
+    return (_reduce_heads(dq.view(B, T, Hv, K), Hk).to(q.dtype),
             _reduce_heads(dk.view(B, T, Hv, K), Hk).to(k.dtype),
             dv.view(B, T, Hv, V).to(v.dtype),
             dbeta.view(B, T, Hv).to(beta.dtype),
