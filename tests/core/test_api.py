@@ -282,6 +282,64 @@ def test_backward_gets_saved_g_cumsum_and_A(spy):
     assert bwd_kwargs["scale"] == VARLEN.K ** -0.5
 
 
+class StateKeepingKernels(SpyKernels):
+    """A backend with ``keeps_states``: its forward keeps the torch reference's h for
+    the backward when asked; the backward records what it is handed."""
+
+    keeps_states = True
+
+    def fwd(self, *args, keep_states=False, **kwargs):
+        self.keep_requests = getattr(self, "keep_requests", []) + [keep_states]
+        if keep_states:
+            kwargs["output_h"] = True                      # h in the states' place
+        return super().fwd(*args, **kwargs)
+
+    def bwd(self, *args, states=None, **kwargs):
+        self.kept = getattr(self, "kept", []) + [states]
+        return super().bwd(*args, **kwargs)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_forward_keeps_chunk_states_for_the_backward(monkeypatch, save):
+    """``save_chunk_states`` (default True) on a backend with ``keeps_states``: the
+    training forward is asked to keep its chunk states and the backward gets exactly
+    the tensor it returned; False asks for none and the backward recomputes. The
+    gradients are the same either way (and the recurrence's)."""
+    kernels = StateKeepingKernels()
+    monkeypatch.setattr(dispatch, "get_kernels",
+                        lambda device, **kw: (dispatch.TORCH_BACKEND, kernels))
+    inputs = make_inputs(VARLEN)
+    kwargs = {} if save else {"save_chunk_states": False}
+    out = run_api(inputs, VARLEN, **kwargs)
+    actual = {"o": out[0], **grads(out, inputs)}
+    (_, _, (_, _, _, h, _)), = kernels.fwd_calls
+    assert kernels.keep_requests == [save]
+    if save:
+        assert kernels.kept == [h] and h is not None and h.shape[2:] == (
+            VARLEN.Hv, VARLEN.K, VARLEN.V)
+    else:
+        assert kernels.kept == [None] and h is None
+    ref = oracle(inputs, VARLEN)
+    expected = {"o": ref[0], **grads(ref, inputs)}
+    assert too_large(errors(actual, expected), FP64_TOL) == {}
+
+
+def test_inference_call_keeps_no_states(monkeypatch):
+    """Nothing to differentiate: the forward is not asked to keep states."""
+    kernels = StateKeepingKernels()
+    monkeypatch.setattr(dispatch, "get_kernels",
+                        lambda device, **kw: (dispatch.TORCH_BACKEND, kernels))
+    with torch.no_grad():
+        run_api(make_inputs(VARLEN), VARLEN)
+    assert kernels.keep_requests == [False]
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_save_chunk_states_is_checked(bad):
+    with pytest.raises(TypeError, match="save_chunk_states"):
+        run_api(make_inputs(VARLEN), VARLEN, save_chunk_states=bad)
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_leaf_requires_grad"])
 def test_inference_call_skips_autograd(spy, mode):
     """Without anything to differentiate the forward runs without the autograd Function

@@ -322,8 +322,9 @@ class _RecordingBwd:
         self.calls = []
 
     def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
-                   cu_seqlens, cu_seqlens_cpu, starts, ends):
-        self.calls.append(dict(cu=cu_seqlens_cpu.tolist(), starts=starts, ends=ends))
+                   cu_seqlens, cu_seqlens_cpu, starts, ends, states=None):
+        self.calls.append(dict(cu=cu_seqlens_cpu.tolist(), starts=starts, ends=ends,
+                               states=states))
         nseg = len(cu_seqlens_cpu) - 1
         dh0 = torch.arange(nseg, dtype=torch.float32).view(nseg, 1, 1, 1).expand(
             nseg, *initial_state.shape[1:]).clone()
@@ -354,3 +355,40 @@ def test_bounded_backward_takes_each_sequences_first_segment():
             0, 0, 0, 2, 2]
         assert [x.shape for x in grads] == [q.shape, q.shape, v.shape, gt.shape, gt.shape]
         assert dh0[:, 0, 0, 0].tolist() == [0.0, empty_fill, 3.0]
+
+
+class _StateKeepingWarmup(_RecordingBwd):
+    """A backend stand-in with ``keeps_states``: ``fwd_warmup`` returns zeros and, when
+    asked to keep states, a marker tensor as its fifth element."""
+
+    keeps_states = True
+
+    def fwd_warmup(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
+                   cu_seqlens_cpu, starts, **keep):
+        self.keep = keep
+        nseg, (Hv, V) = len(cu_seqlens_cpu) - 1, v.shape[2:]
+        outs = (torch.zeros_like(g), torch.zeros(*g.shape, 64), torch.zeros_like(v),
+                torch.zeros(nseg, Hv, q.shape[3], V))
+        return (*outs, torch.full((1,), 5.0)) if keep.get("keep_states") else outs
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_bounded_split_hands_kept_states_to_its_backward(keeps):
+    """fwd_with_segments(keep_states=True) asks a backend with ``keeps_states`` for them
+    and returns them in h's place; warmup_bwd hands them to ``bwd_warmup``. A backend
+    without ``keeps_states`` is not asked (its fwd_warmup takes no such keyword)."""
+    T, Hv, K, V = 300, 2, 4, 4
+    q, v, g = torch.zeros(1, T, 1, K), torch.zeros(1, T, Hv, V), torch.zeros(1, T, Hv)
+    kernels = _StateKeepingWarmup()
+    kernels.keeps_states = keeps
+    *_, states, _ = segments.fwd_with_segments(
+        kernels, q, q, v, g, g, scale=1.0, initial_state=None, cu_seqlens=None,
+        cu_seqlens_cpu=None, output_final_state=False, output_h=False, segment_len=128,
+        shortcut_bound=2.0 ** -9, keep_states=True)
+    assert kernels.keep == ({"keep_states": True} if keeps else {})
+    assert (states is not None and states.tolist() == [5.0]) if keeps else states is None
+    segments.warmup_bwd(kernels, q, q, v, g, g, torch.zeros(1, T, Hv, 64), v, dht=None,
+                        scale=1.0, initial_state=torch.zeros(1, Hv, K, V), cu_seqlens=None,
+                        cu_seqlens_cpu=None, segment_len=128, shortcut_bound=2.0 ** -9,
+                        states=states)
+    assert kernels.calls[-1]["states"] is states

@@ -92,6 +92,38 @@ def test_bounded_split_gradients_match_recurrence(case, segment_len):
             assert rel_l2(ours[name], unsplit[name]) < tol, name
 
 
+KEPT_CASES = [
+    (CASES[0], None),                           # dense GVA 2/4, unsplit
+    (CASES[12], None),                          # varlen GVA 4/16 + padding, host offsets
+    (Case(1, 8192, 2, 4), 1024),                # the bounded split
+]
+
+
+@pytest.mark.parametrize("case, segment_len", KEPT_CASES,
+                         ids=[f"{c.id}-seg{s}" for c, s in KEPT_CASES])
+def test_kept_chunk_states_give_the_recomputed_gradients(case, segment_len, monkeypatch):
+    """``save_chunk_states`` (default): the backward reads the h the training forward
+    stored (chunk_fwd_ws with o and h in q's dtype) and recomputes nothing; its
+    gradients equal, bitwise, those of ``save_chunk_states=False`` (the states-only
+    recompute runs the same state chain)."""
+    from flash_qla_sm90.kernels import backward
+
+    recomputes = []
+    real = backward._fused
+    monkeypatch.setattr(backward, "_fused",
+                        lambda *a, **kw: (recomputes.append(1), real(*a, **kw))[1])
+    inp = make_inputs(case, seed=5)
+    kwargs = {"auto_cp": False} if segment_len is None else {"segment_len": segment_len}
+    if inp["cu_seqlens"] is not None:            # the kept h's size without a sync
+        kwargs["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    kept, _, _ = _grads(inp, **kwargs)
+    assert recomputes == []
+    recomputed, _, _ = _grads(inp, save_chunk_states=False, **kwargs)
+    assert recomputes == [1]
+    for name in kept:
+        assert torch.equal(kept[name], recomputed[name]), name
+
+
 def test_gradients_deterministic():
     inp = make_inputs(CASES[12], seed=4)
     first, _, _ = _grads(inp)

@@ -73,6 +73,7 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     warmup = traits.FWD_TRANSPOSED and traits.FWD_AUX_WARPGROUP   # the bounded split
     # per dtype: prepare, chunk_fwd x has_h0 x store_h x tiling, the warm-up ws x has_h0
     # x store_h, the backward's states-only ws x has_h0 x (warm-up, unsplit) x h dtype,
+    # the training forward keeping h in dtype (with o) x has_h0 x (warm-up, unsplit),
     # the dh sweep (below), intra x state dtype (dq / dk per head in q's dtype with
     # BWD_GVA_GRADS_IN_DTYPE, else also in fp32)
     if traits.BWD_DH_AUX_WARPGROUP:          # chunk_bwd_dh_ws x has_dht x 4 flag sets
@@ -80,7 +81,7 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     else:                                    # chunk_bwd_dh x has_dht x tiling (+ warm-up
         dh = 2 * (1 + traits.FWD_NARROW_TILING) + 8 * warmup   # x 2 tilings x dS1 dtype)
     intra = 2 * (1 + (not traits.BWD_GVA_GRADS_IN_DTYPE))
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 12 * warmup + dh + intra)
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 16 * warmup + dh + intra)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -98,8 +99,9 @@ def test_experimental_variants_add_the_kernels_that_are_off():
 
     both = transposed(True)
     # (kernel x has_h0 x store_h, + ws's warm-up x has_h0 x store_h, + its states-only
-    # variants x has_h0 x (warm-up, unsplit) x h dtype) x dtype
-    assert len(both) == (2 * 4 + 4 + 8) * len(traits.DTYPES)
+    # variants x has_h0 x (warm-up, unsplit) x h dtype, + its h-in-dtype forwards with o
+    # x has_h0 x (warm-up, unsplit)) x dtype
+    assert len(both) == (2 * 4 + 4 + 8 + 4) * len(traits.DTYPES)
     assert transposed(False) <= both
     builders = [b for b, _ in variants(True)]
     assert all(b in builders for b in PREPARE_KERNELS.values())      # both prepare kernels

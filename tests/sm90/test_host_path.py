@@ -102,6 +102,37 @@ def test_training_step_converts_beta_once(sm90_without_launches, B, T, H, path):
     assert [(x.shape, x.dtype) for x in grads] == [(x.shape, x.dtype) for x in leaves]
 
 
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("B, T, H, path", [(1, 8192, 4, "chunk_bwd_warmup"),
+                                           (4, 2048, 16, "chunk_bwd")])
+def test_training_forward_keeps_states_for_the_backward(sm90_without_launches, monkeypatch,
+                                                        B, T, H, path, save):
+    """``save_chunk_states`` (default): the training forward's ``chunk_fwd_ws`` computes
+    o and also stores h in q's dtype (warm-up flag as its split), and the backward
+    launches no states-only recompute; False: the forward stores no h and the backward
+    recomputes it (states only). Statics: (dtype, K, V, has_h0, store_h, warmup,
+    h_in_dtype, states_only), trailing False dropped."""
+    import flash_qla
+    from flash_qla_sm90.kernels import forward
+
+    fused = []
+    real = forward.launcher
+    monkeypatch.setattr(forward, "launcher", lambda builder, *static: (
+        fused.append(static[3:]) if len(static) > 2 else None, real(builder, *static))[1])
+    leaves, do, dht = _inputs(B, T, H, requires_grad=True)
+    o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                             output_final_state=True,
+                                             save_chunk_states=save)
+    torch.autograd.grad((o, ht), leaves, (do, dht))
+    warmup = path == "chunk_bwd_warmup"
+    assert sm90_without_launches == [path]
+    if save:
+        assert fused == [(True, True, warmup, True)]                # o + h in dtype
+    else:
+        assert fused == [(True, False, True) if warmup else (True, False),   # o only
+                         (True, True, warmup, True, True)]          # h recomputed
+
+
 @pytest.mark.parametrize("B, T, H", [(1, 8192, 4), (4, 2048, 16)])
 def test_low_level_backward_returns_dbeta_in_beta_dtype(sm90_without_launches, B, T, H):
     """``chunk_gated_delta_rule_bwd`` (no autograd to cast for it) returns dbeta in beta's

@@ -82,6 +82,15 @@ class Kernels(Protocol):
     # for zero), or a kernel searches the same walks itself from ``starts.seq_start``,
     # ``starts.seq_index`` and ``starts.log_bound``; o is stored only from each
     # segment's start; final_state ``[Nseg, Hv, K, V]`` is every segment's.
+    # Optional: ``keeps_states = True``: the chunk-start states kept from the training
+    # forward for the backward instead of recomputed there (the autograd Function with
+    # ``save_chunk_states``). ``fwd`` and ``fwd_warmup`` then take ``keep_states: bool``
+    # (False when not passed) and ``bwd`` / ``bwd_warmup`` take ``states`` (None when not
+    # passed). With ``keep_states`` (and ``output_h`` False), ``fwd`` returns in h's place
+    # the states its backward reads, in a dtype and packing of the backend's choice, or
+    # None where it keeps none for this call (say, where their size would need a host
+    # sync), and ``fwd_warmup`` returns them as a fifth element; the backward methods
+    # given them skip their recompute (None: they recompute).
     # Optional, with it: ``bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale,
     # initial_state, cu_seqlens, cu_seqlens_cpu, starts, ends) -> (dq, dk, dv, dbeta, dg,
     # dh0)``: the backward of that split (``flash_qla.segments.warmup_bwd``), on the same
@@ -90,6 +99,12 @@ class Kernels(Protocol):
     # (each segment's dS sweep starts after its end at the first chunk boundary where the
     # gates decayed below ``ends.log_bound``, from a zero dS, or at its sequence's end
     # from dht); dh0 ``[Nseg, Hv, K, V]`` per segment (None without an initial state).
+
+
+def keeps_states(kernels) -> bool:
+    """Whether ``kernels`` keeps the forward's chunk states for its backward
+    (``Kernels.keeps_states``, optional)."""
+    return getattr(kernels, "keeps_states", False) is True
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backend import keeps_states
 from .validation import is_capturing
 
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "WalkEnds", "WalkStarts",
@@ -400,15 +401,17 @@ class WalkEnds(_WalkRule):
 
 def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
                bounds: list[int], output_final_state: bool, segment_len: int,
-               shortcut_bound: float):
+               shortcut_bound: float, keep_states: bool = False):
     """``Kernels.fwd`` contract (without h) by the bounded split, one pass of the
     backend's ``fwd_warmup`` over all segments (module docstring). Arguments as
     :func:`segmented_fwd`; ``shortcut_bound`` in (0, 1). Returns
-    ``(g_cumsum, A, o, None, final_state)``."""
+    ``(g_cumsum, A, o, states, final_state)``: ``states`` the chunk states the backend
+    kept for ``bwd_warmup`` with ``keep_states`` (``Kernels.keeps_states``), else None."""
     plan = _plan_for(bounds, segment_len, q.device)
-    g_cumsum, A, o, final_seg = kernels.fwd_warmup(
+    keep = {"keep_states": True} if keep_states and keeps_states(kernels) else {}
+    g_cumsum, A, o, final_seg, *kept = kernels.fwd_warmup(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
-        cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound))
+        cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound), **keep)
     final_state = None
     if output_final_state:                             # the last segment's, per sequence
         final_state = final_seg.index_select(0, plan.last_seg)           # [N,Hv,K,V]
@@ -417,7 +420,7 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
             fill = (final_state.new_zeros(()) if initial_state is None
                     else initial_state.to(final_state.dtype))
             final_state = torch.where(empty, fill, final_state)
-    return g_cumsum, A, o, None, final_state
+    return g_cumsum, A, o, (kept[0] if kept else None), final_state
 
 
 def uses_warmup(kernels, shortcut_bound: float) -> bool:
@@ -427,14 +430,17 @@ def uses_warmup(kernels, shortcut_bound: float) -> bool:
 
 
 def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
-               cu_seqlens, cu_seqlens_cpu, segment_len: int, shortcut_bound: float):
+               cu_seqlens, cu_seqlens_cpu, segment_len: int, shortcut_bound: float,
+               states: Tensor | None = None):
     """``Kernels.bwd`` contract for a forward that ran the bounded split, on a backend
-    with ``bwd_warmup``: the chunk states by the warm-up forward, dS by reverse walks
-    that start a few chunks after each segment (:func:`warmup_ends`), the per-chunk
-    gradients as usual. Dense ``[B, T]`` inputs run as B packed sequences; the
-    dropped terms obey the forward's bound. Returns ``(dq, dk, dv, dbeta, dg, dh0)``."""
+    with ``bwd_warmup``: the chunk states by the warm-up forward (or ``states``, those
+    the forward kept: :func:`warmup_fwd`), dS by reverse walks that start a few chunks
+    after each segment (:func:`warmup_ends`), the per-chunk gradients as usual. Dense
+    ``[B, T]`` inputs run as B packed sequences; the dropped terms obey the forward's
+    bound. Returns ``(dq, dk, dv, dbeta, dg, dh0)``."""
     B, T = q.shape[:2]
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
+    kept = {} if states is None else {"states": states}
     if bounds[-1] == bounds[0]:                                          # no tokens
         return kernels.bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
                            initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -444,7 +450,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
     *grads, dh0_seg = kernels.bwd_warmup(
         *packed, dht=dht, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
         cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound),
-        ends=WalkEnds(plan, shortcut_bound))
+        ends=WalkEnds(plan, shortcut_bound), **kept)
     dh0 = None
     if initial_state is not None:                    # each sequence's first segment
         dh0 = dh0_seg.index_select(0, plan.first_seg)                    # [N,Hv,K,V]
@@ -456,11 +462,13 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
 
 def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
                       cu_seqlens_cpu, output_final_state, output_h, segment_len: int,
-                      shortcut_bound: float = 0.0):
+                      shortcut_bound: float = 0.0, keep_states: bool = False):
     """``kernels.fwd`` (same arguments and returns) made segment-parallel; dense
     ``[B, T]`` inputs are run as B packed sequences: the bounded split
     (:func:`warmup_fwd`) when ``shortcut_bound`` > 0, the backend has ``fwd_warmup`` and
-    no h is asked for, else the exact one (:func:`segmented_fwd`). Reads ``cu_seqlens``
+    no h is asked for, else the exact one (:func:`segmented_fwd`). ``keep_states``
+    (``Kernels.keeps_states``): the bounded split returns in h's place the states its
+    backend keeps for ``bwd_warmup`` (the exact split keeps none). Reads ``cu_seqlens``
     on the host (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host
     from the lengths of the call: inside a CUDA-graph capture only the bounded split
     of a dense input runs (its lengths are the tensor's shape, so every replay has
@@ -476,14 +484,14 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
                          f"input (cu_seqlens=None): the split is planned from the call's "
                          f"lengths, got {segment_len}")
     if bounded:
-        g_cumsum, A, o, h, final_state = warmup_fwd(
+        g_cumsum, A, o, states, final_state = warmup_fwd(
             kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
             output_final_state=output_final_state, segment_len=segment_len,
-            shortcut_bound=shortcut_bound)
-    else:
-        g_cumsum, A, o, h, final_state = segmented_fwd(
-            kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
-            output_final_state=output_final_state, output_h=output_h,
-            segment_len=segment_len)
+            shortcut_bound=shortcut_bound, keep_states=keep_states)
+        return (_with_batch(g_cumsum, B, T), _with_batch(A, B, T), _with_batch(o, B, T),
+                states, final_state)                     # states in the backend's packing
+    g_cumsum, A, o, h, final_state = segmented_fwd(
+        kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
+        output_final_state=output_final_state, output_h=output_h, segment_len=segment_len)
     return (_with_batch(g_cumsum, B, T), _with_batch(A, B, T), _with_batch(o, B, T),
             None if h is None else h.reshape(B, -1, *h.shape[2:]), final_state)

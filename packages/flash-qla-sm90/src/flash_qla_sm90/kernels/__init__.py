@@ -24,14 +24,18 @@ class Sm90Kernels:
 
     #: every kernel reads beta in fp32 (``flash_qla.backend.Kernels``, optional)
     beta_dtype = torch.float32
+    #: the training forward keeps h for the backward where it is chunk_fwd_ws's, in q's
+    #: dtype (``forward._keeps_states``; ``flash_qla.backend.Kernels``, optional)
+    keeps_states = True
 
     def fwd(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-            output_final_state, output_h):
+            output_final_state, output_h, keep_states=False):
         from .forward import chunk_fwd
 
         return chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                         output_final_state=output_final_state, output_h=output_h)
+                         output_final_state=output_final_state, output_h=output_h,
+                         keep_states=keep_states)
 
     def fwd_prepared(self, q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
                      cu_seqlens_cpu, output_final_state, output_h):
@@ -42,28 +46,29 @@ class Sm90Kernels:
                          output_final_state=output_final_state, output_h=output_h)
 
     def fwd_warmup(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
-                   cu_seqlens_cpu, starts):
+                   cu_seqlens_cpu, starts, keep_states=False):
         from .forward import warmup_fwd
 
         return warmup_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                           cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                          starts=starts)
+                          starts=starts, keep_states=keep_states)
 
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
-            cu_seqlens_cpu):
+            cu_seqlens_cpu, states=None):
         from .backward import chunk_bwd
 
         return chunk_bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
                          initial_state=initial_state, cu_seqlens=cu_seqlens,
-                         cu_seqlens_cpu=cu_seqlens_cpu)
+                         cu_seqlens_cpu=cu_seqlens_cpu, states=states)
 
     def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
-                   cu_seqlens, cu_seqlens_cpu, starts, ends):
+                   cu_seqlens, cu_seqlens_cpu, starts, ends, states=None):
         from .backward import chunk_bwd_warmup
 
         return chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
                                 initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                cu_seqlens_cpu=cu_seqlens_cpu, starts=starts, ends=ends)
+                                cu_seqlens_cpu=cu_seqlens_cpu, starts=starts, ends=ends,
+                                states=states)
 
     def plan_segment_len(self, bounds, Hv, K, V, device, bounded=False):
         from .forward import _sm_count, plan_segment_len

@@ -1,6 +1,7 @@
 """Backward orchestrator of the Hopper backend (shapes: ``flash_qla.backend.Kernels.bwd``).
 
-1. ``chunk_fwd`` recomputes the chunk-start states h from the saved g_cumsum and A;
+1. ``chunk_fwd`` recomputes the chunk-start states h from the saved g_cumsum and A,
+   unless the training forward kept them (``states``: ``Kernels.keeps_states``);
 2. the state gradient at every chunk end, dS1, comes from the reverse sweep: the
    ``chunk_bwd_dh_ws`` kernel (``chunk_bwd_dh`` with ``traits.BWD_DH_AUX_WARPGROUP``
    off) when ``traits.BWD_DH_KERNEL`` is on, else the core's batched PyTorch sweep;
@@ -35,6 +36,13 @@ from .forward import (
     total_chunks,
 )
 from .launch import launcher
+
+
+def _kept(states: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The forward's kept chunk states if they are in the dtype this backward reads h in
+    (a bounded forward's, replayed by the unsplit backward inside a CUDA-graph capture,
+    may not be), else None: recompute."""
+    return states if states is not None and states.dtype == dtype else None
 
 
 def _fp32_beta(backward):
@@ -135,7 +143,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
 
 @_fp32_beta
 def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
-                     cu_seqlens, cu_seqlens_cpu, starts, ends):
+                     cu_seqlens, cu_seqlens_cpu, starts, ends, states=None):
     """``Kernels.bwd_warmup``: the backward of the bounded segment split
     (``flash_qla.segments.warmup_bwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
     segments; ``starts`` is the forward walks' rule (``flash_qla.segments.WalkStarts``,
@@ -143,18 +151,21 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     (``flash_qla.segments.WalkEnds``, searched by the warm-up reverse sweep). The chunk
     states come from the warm-up forward (its own chunks per segment), dS1 from the
     warm-up reverse sweep (both in q's dtype when ``traits.BWD_STATES_IN_DTYPE``), then
-    ``chunk_bwd_intra`` as in :func:`chunk_bwd`.
+    ``chunk_bwd_intra`` as in :func:`chunk_bwd`. ``states``: the chunk states the
+    forward kept (``warmup_fwd(keep_states=True)``), read instead of recomputed.
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment ``[Nseg, Hv, K, V]``
     (None without an initial state)."""
     from .chunk_bwd_intra import chunk_grads
 
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
-    _, _, h = _fused(
-        p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
-        initial_state=initial_state, alloc=torch.empty,     # o: not computed
-        num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=starts,
-        h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)        # h [NT,Hv,K,V]
+    h = _kept(states, q.dtype if traits.BWD_STATES_IN_DTYPE else torch.float32)
+    if h is None:
+        _, _, h = _fused(
+            p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
+            initial_state=initial_state, alloc=torch.empty,     # o: not computed
+            num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=starts,
+            h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)    # h [NT,Hv,K,V]
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
                            ds1_in_dtype=traits.BWD_STATES_IN_DTYPE, packed=p,
                            **common)
@@ -164,9 +175,11 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
 
 @_fp32_beta
 def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
-              cu_seqlens_cpu, use_dh_kernel: bool | None = None,
+              cu_seqlens_cpu, states=None, use_dh_kernel: bool | None = None,
               use_intra_kernel: bool | None = None):
     """Backward; returns (dq, dk, dv, dbeta, dg, dh0) (see Kernels.bwd).
+    ``states``: the chunk states the forward kept (``chunk_fwd(keep_states=True)``),
+    read instead of recomputed where they are in the dtype this backward reads h in.
     ``use_dh_kernel`` / ``use_intra_kernel`` None follow ``traits.BWD_DH_KERNEL`` /
     ``traits.BWD_INTRA_KERNEL`` (read at every call)."""
     if use_dh_kernel is None:
@@ -177,8 +190,10 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
     in_dtype = (use_dh_kernel and use_intra_kernel
                 and states_in_dtype(p.layout, v.shape[2], q.shape[-1], v.shape[-1], q.device))
-    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
-                     h_in_dtype=in_dtype, **common)
+    h = _kept(states, q.dtype if in_dtype else torch.float32)
+    if h is None:
+        h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
+                         h_in_dtype=in_dtype, **common)
     dS1 = dh0 = None
     if use_dh_kernel:
         dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p,

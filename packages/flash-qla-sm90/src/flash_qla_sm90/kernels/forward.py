@@ -313,8 +313,9 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     ``walks``: the bounded split's walk rule (``flash_qla.segments.WalkStarts``), run
     by ``chunk_fwd_ws`` with ``warmup``, which searches each walk's start itself (the
     sequences of ``layout`` are the segments). ``h_in_dtype`` stores h in q's dtype
-    instead of fp32 (``chunk_fwd_ws`` only: with ``walks``, or ``states_only`` where the
-    plan picks it). ``states_only`` (the backward's recompute of h): where the kernel is
+    instead of fp32 (``chunk_fwd_ws`` only: with ``walks``, or where the plan picks it;
+    with o, the forward keeping h for its backward, or ``states_only``).
+    ``states_only`` (the backward's recompute of h): where the kernel is
     ``chunk_fwd_ws``, o is neither computed nor written (left as allocated).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
@@ -327,9 +328,9 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     store_h = num_chunks is not None
     if walks is None and tiling is None:
         tiling = fused_plan(layout.num_seqs, Hv, K, V, _sm_count(q.device))[0]
-    if h_in_dtype and walks is None and not (states_only and tiling == "ws"):
+    if h_in_dtype and walks is None and tiling != "ws":
         raise ValueError("h_in_dtype: only chunk_fwd_ws stores h in q's dtype (the "
-                         f"bounded split's walks, or states_only); the plan is {tiling!r}")
+                         f"bounded split's walks, or the ws plan); the plan is {tiling!r}")
     h = (final_state.new_empty(num_chunks, Hv, K, V,
                                dtype=q.dtype if h_in_dtype else torch.float32)
          if store_h else _no_h(q.device, Hv, K, V))
@@ -340,7 +341,7 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
         extra = _walk_args(walks, q.device)
     else:
         extra = _walk_args(None, q.device) if tiling == "ws" else ()   # ws only: unread
-        if tiling == "ws" and states_only and store_h:
+        if tiling == "ws" and store_h and (states_only or h_in_dtype):
             kernel = launcher(chunk_fwd_ws_kernel, dtype, K, V, has_h0, store_h,
                               *static_flags(False, h_in_dtype, states_only))
         elif tiling in TRANSPOSED_KERNELS:
@@ -360,18 +361,38 @@ def _output_alloc(cu_seqlens, cu_seqlens_cpu, num_tokens: int):
     return torch.zeros if padded else torch.empty
 
 
+def _keeps_states(layout: ChunkLayout, cu_seqlens_cpu, Hv: int, K: int, V: int,
+                  device) -> bool:
+    """Whether the unsplit forward keeps h for its backward when asked
+    (``Kernels.keeps_states``): where the backward reads h in q's dtype from
+    ``chunk_fwd_ws`` (``backward.states_in_dtype``), and the chunk count is known
+    without a host sync (dense, or ``cu_seqlens_cpu``). Elsewhere the backward
+    recomputes h (fp32 h would cost twice the memory)."""
+    from .backward import states_in_dtype
+
+    return ((layout.num_chunks is not None or cu_seqlens_cpu is not None)
+            and states_in_dtype(layout, Hv, K, V, device))
+
+
 def _fused_outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, scale,
-                   initial_state, cu_seqlens_cpu, output_final_state, output_h):
+                   initial_state, cu_seqlens_cpu, output_final_state, output_h,
+                   keep_states=False):
     """:func:`_fused` on the packed k, g_cumsum, beta, A, returning ``(o, h, final_state)``
-    in the layout of ``Kernels.fwd`` (o ``[B, T, Hv, V]``; dense h ``[B, NT/B, ...]``)."""
+    in the layout of ``Kernels.fwd`` (o ``[B, T, Hv, V]``; dense h ``[B, NT/B, ...]``).
+    ``keep_states`` (without ``output_h``): h's place holds the chunk states the
+    backward reads, ``[NT, Hv, K, V]`` in q's dtype, where :func:`_keeps_states`, else
+    None."""
     B, T, _, K = q.shape
     Hv, V = v.shape[2:]
+    keep = (keep_states and not output_h
+            and _keeps_states(layout, cu_seqlens_cpu, Hv, K, V, q.device))
     o, final_state, h = _fused(
         _packed(q), k_p, _packed(v), g_cumsum_p, beta_p, A_p, layout, scale=scale,
-        initial_state=initial_state, alloc=alloc,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h else None)
-    return (o.view(B, T, Hv, V), h.view(B, -1, Hv, K, V) if output_h else None,
-            final_state if output_final_state else None)
+        initial_state=initial_state, alloc=alloc, h_in_dtype=keep,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h or keep else None)
+    if output_h:
+        h = h.view(B, -1, Hv, K, V)
+    return o.view(B, T, Hv, V), h, final_state if output_final_state else None
 
 
 def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
@@ -405,28 +426,34 @@ def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu):
 
 
 def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-               starts):
+               starts, keep_states=False):
     """``Kernels.fwd_warmup``: the bounded segment split in one pass
     (``flash_qla.segments.warmup_fwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
     segments (``[Nseg + 1]``); ``starts`` is the walk rule
     (``flash_qla.segments.WalkStarts``), searched by the kernel. Returns ``(g_cumsum
     [B,T,Hv], A [B,T,Hv,C], o [B,T,Hv,V], final_state [Nseg,Hv,K,V])``, the final state
-    of every segment."""
+    of every segment; with ``keep_states`` (``Kernels.keeps_states``) also the chunk
+    states ``chunk_bwd_warmup`` reads (``[NT, Hv, K, V]``, q's dtype with
+    ``traits.BWD_STATES_IN_DTYPE``), or None where the chunk count would need a sync."""
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
     layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
                                                        cu_seqlens_cpu)
-    o, final_state, _ = _fused(
+    keep = keep_states and (layout.num_chunks is not None or cu_seqlens_cpu is not None)
+    o, final_state, h = _fused(
         _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
-        initial_state=initial_state, num_chunks=None, alloc=alloc,
-        walks=starts)
-    return (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
+        initial_state=initial_state, alloc=alloc, walks=starts,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if keep else None,
+        h_in_dtype=keep and traits.BWD_STATES_IN_DTYPE)
+    outs = (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             final_state)
+    return (*outs, h) if keep_states else outs
 
 
 def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-              output_final_state, output_h):
-    """Forward; returns (g_cumsum, A, o, h, final_state) (see Kernels.fwd)."""
+              output_final_state, output_h, keep_states=False):
+    """Forward; returns (g_cumsum, A, o, h, final_state) (see Kernels.fwd; with
+    ``keep_states``, h's place holds the states the backward reads, or None)."""
     B, T = q.shape[:2]
     Hv = v.shape[2]
     layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
@@ -434,5 +461,5 @@ def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_
     o, h, final_state = _fused_outputs(
         q, k_p, v, g_cumsum, beta_p, A, layout, alloc, scale=scale,
         initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
-        output_final_state=output_final_state, output_h=output_h)
+        output_final_state=output_final_state, output_h=output_h, keep_states=keep_states)
     return g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o, h, final_state

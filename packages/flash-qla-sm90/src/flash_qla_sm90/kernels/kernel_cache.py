@@ -70,6 +70,10 @@ def variants(experimental: bool = False):
                                 for h_in_dtype in (False, True):      # unsplit
                                     yield transposed, (dtype, K, V, has_h0, True, False,
                                                        h_in_dtype, True)
+                                # the training forward keeping h in dtype (with o)
+                                for warmup in (False, True):
+                                    yield transposed, (dtype, K, V, has_h0, True, warmup,
+                                                       True)
             ws_dh = (K, V) == (128, 128) and traits.BWD_DH_AUX_WARPGROUP
             for has_dht in (False, True):
                 if ws_dh or (experimental and (K, V) == (128, 128)):
