@@ -954,6 +954,8 @@ def task_profile(spec: dict) -> dict:
             res["bwd_status"] = why or "unsupported: forward only"
         else:
             ga = impl.prepare(inp, spec, requires_grad=True)
+            # the training forward (autograd records it; it may keep more for the backward)
+            res["fwd_train"] = kernels(lambda: impl.call(ga))
             outs = impl.canon(impl.call(ga), ga)
 
             def bwd():

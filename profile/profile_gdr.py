@@ -184,7 +184,7 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
             ]
         )
         for r in results:
-            for d in ("fwd", "bwd"):
+            for d in ("fwd", "fwd_train", "bwd"):
                 tab = r.get(d) or {}
                 tot = total_us(tab) or 1.0
                 for name, k in sorted(tab.items(), key=lambda x: -x[1]["us"]):
@@ -281,7 +281,7 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
     ]
     for key in shapes:
         md += [f"## {C.Shape.from_key(key).label}", ""]
-        for d in ("fwd", "bwd"):
+        for d in ("fwd", "fwd_train", "bwd"):
             for impl in ("ours", "fla"):
                 r = by.get((key, impl))
                 if not r:
