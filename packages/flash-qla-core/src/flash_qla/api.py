@@ -255,8 +255,10 @@ def _inference(q, k, v, g, beta, initial_state, scale, output_final_state, cu_se
     and keep g_cumsum and A alive. Returns ``(o, final_state)``."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     beta = _kernel_beta(kernels, beta)
-    return _forward(q, k, v, g, beta, initial_state, scale, output_final_state,
-                    cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound)[2::2]
+    _, _, o, _, final_state = _forward(q, k, v, g, beta, initial_state, scale,
+                                       output_final_state, cu_seqlens, cu_seqlens_cpu,
+                                       kernels, segment_len, shortcut_bound)
+    return o, final_state
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
