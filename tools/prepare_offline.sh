@@ -36,6 +36,9 @@ TILELANG_PRINT_ON_COMPILATION=0 \
 if [[ -d .offline-gpu/peers/flashqla && ${FLASHQLA_PEER:-1} == 1 ]]; then
   python3 tools/prepare_flashqla_peer.py --flashqla-path .offline-gpu/peers/flashqla \
     --cache-dir "$CACHE" --modes fwd,bwd | tail -1
+  # issue 6's few-head rows outside the backward grid (2/8, 4/16): their training step
+  python3 tools/prepare_flashqla_peer.py --flashqla-path .offline-gpu/peers/flashqla \
+    --cache-dir "$CACHE" --modes bwd --heads 2/8,4/16 --layouts 1x32768,1x8192 | tail -1
 fi
 tar cJf .offline-gpu/tilelang-cache.tar.xz -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
 bytes=$(( $(du -sb .offline-gpu | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))
