@@ -133,6 +133,29 @@ def test_training_forward_keeps_states_for_the_backward(sm90_without_launches, m
                          (True, True, warmup, True, True)]          # h recomputed
 
 
+def test_captured_backward_of_a_bounded_forward_reads_its_kept_states(
+        sm90_without_launches, monkeypatch):
+    """A bounded-split training forward (eager) whose backward runs inside a CUDA-graph
+    capture takes the unsplit backward (the split's walks are planned on the host); it
+    reads the states the bounded forward kept (same [K, V] layout, dtype and chunk rows)
+    and launches no recompute."""
+    import flash_qla
+    from flash_qla import validation
+    from flash_qla_sm90.kernels import forward
+
+    fused = []
+    real = forward.launcher
+    monkeypatch.setattr(forward, "launcher", lambda builder, *static: (
+        fused.append(static[3:]) if len(static) > 2 else None, real(builder, *static))[1])
+    leaves, do, dht = _inputs(1, 8192, 4, requires_grad=True)
+    o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                             output_final_state=True)
+    monkeypatch.setattr(validation, "is_capturing", lambda device: True)
+    torch.autograd.grad((o, ht), leaves, (do, dht))
+    assert sm90_without_launches == ["chunk_bwd"]
+    assert fused == [(True, True, True, True)]           # the bounded forward's, only
+
+
 @pytest.mark.parametrize("B, T, H", [(1, 8192, 4), (4, 2048, 16)])
 def test_low_level_backward_returns_dbeta_in_beta_dtype(sm90_without_launches, B, T, H):
     """``chunk_gated_delta_rule_bwd`` (no autograd to cast for it) returns dbeta in beta's
