@@ -900,7 +900,25 @@ def task_bench(spec: dict) -> dict:
         res["graph_status"] = "ok"
     except Exception as e:  # noqa: BLE001 - the reason is reported in the table notes
         res["graph_status"] = f"not capturable: {type(e).__name__}: {str(e)[:200]}"
+    if bwd:
+        _graph_fwd_bwd(impl, sets, inp, res, wu, rep)
     return res
+
+
+def _graph_fwd_bwd(impl, sets: list, inp: dict, res: dict, wu: float, rep: float) -> None:
+    """The training step (forward with grad + the gradients of every leaf) captured as
+    one CUDA graph per buffer set and replayed: ``res["fwdbwd_graph_ms"]``, its device
+    time without the host's launches (an implementation whose step cannot be captured,
+    e.g. one that syncs, gets ``fwdbwd_graph_status`` instead)."""
+    import torch
+
+    try:
+        graphs = capture_graphs([lambda a=a: impl.fwd_bwd(a, inp) for a in sets],
+                                torch.cuda.Stream())
+        res["fwdbwd_graph_ms"] = time_fns([g.replay for g in graphs], "cuda", wu, rep)
+        res["fwdbwd_graph_status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the reason is reported in the table notes
+        res["fwdbwd_graph_status"] = f"not capturable: {type(e).__name__}: {str(e)[:200]}"
 
 
 def task_profile(spec: dict) -> dict:

@@ -327,3 +327,28 @@ def test_flashqla_peer_precompile_help():
     assert p.returncode == 0, p.stderr
     for opt in ("--flashqla-path", "--cache-dir", "--heads", "--modes", "--list"):
         assert opt in p.stdout
+
+
+def test_backward_table_shows_the_training_step_eager_and_graphed():
+    """``bench --mode bwd``'s table: the fwd+bwd cells are ``eager / graph`` (the graph
+    the captured training step's replay), the peer's speedup likewise, and a step that
+    could not be captured is named in the notes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gdr", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    key = "bwd:16/16@8x4096"
+    ours = {"status": "ok", "eager_ms": 1.0, "fwdbwd_eager_ms": 2.0, "fwdbwd_graph_ms": 1.5,
+            "fwdbwd_graph_status": "ok"}
+    fla = {"status": "ok", "eager_ms": 2.0, "fwdbwd_eager_ms": 4.0, "fwdbwd_graph_ms": 4.5,
+           "fwdbwd_graph_status": "ok", "err": {"o": 1e-3}}
+    headers, rows = bench.table_rows({(key, "ours"): ours, (key, "fla"): fla}, "bwd",
+                                     ["fla"], tol=1e-2)
+    row = dict(zip(headers, rows[0]))
+    assert row["ours fwd+bwd ms eager / graph"] == "2.000 / 1.500"
+    assert row["FLA fwd+bwd ms"] == "4.000 / 4.500"
+    assert row["vs FLA fwd+bwd"] == "2.00x / 3.00x"
+    fla["fwdbwd_graph_status"] = "not capturable: RuntimeError: sync"
+    assert any("fwd+bwd graph column: not capturable" in n
+               for n in bench.notes({(key, "ours"): ours, (key, "fla"): fla}))
