@@ -630,19 +630,24 @@ def table_rows(
                 if good
                 else (None, None)
             )
-            sp = "" if se is None else f"{se:.2f}x / {(f'{sg:.2f}x' if sg else '–')}"
+            sp = _ratio_pair(se, sg)
             r += [ms_cell(pr), sp, err_cell(pr or {}, tol)]
             if both:
                 sfb, sfg = ((_speedup(pr, ours, "fwdbwd_eager_ms"),
                              _speedup(pr, ours, "fwdbwd_graph_ms")) if good else (None, None))
                 r += [_pair(pr or {}, "fwdbwd_eager_ms", "fwdbwd_graph_ms"),
-                      "" if sfb is None else f"{sfb:.2f}x / {(f'{sfg:.2f}x' if sfg else '–')}"]
+                      _ratio_pair(sfb, sfg)]
         out.append(r)
     return headers, out
 
 
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
+
+
+def _ratio_pair(eager: float | None, graph: float | None) -> str:
+    """``eager / graph`` speedup cell ("" without an eager speedup, "–" for the graph)."""
+    return "" if eager is None else f"{eager:.2f}x / {(f'{graph:.2f}x' if graph else '–')}"
 
 
 def _pair(row: dict, eager: str, graph: str) -> str:

@@ -56,6 +56,19 @@ def sm90_without_launches(monkeypatch):
     return ran
 
 
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """The statics after (dtype, K, V) of every fused-kernel launch (and of none of the
+    prepare's, whose statics are (dtype, K)), in order."""
+    from flash_qla_sm90.kernels import forward
+
+    fused = []
+    real = forward.launcher
+    monkeypatch.setattr(forward, "launcher", lambda builder, *static: (
+        fused.append(static[3:]) if len(static) > 2 else None, real(builder, *static))[1])
+    return fused
+
+
 def _spy(fn, name, calls):
     def spied(*args, **kwargs):
         calls.append(name)
@@ -105,7 +118,7 @@ def test_training_step_converts_beta_once(sm90_without_launches, B, T, H, path):
 @pytest.mark.parametrize("save", [True, False])
 @pytest.mark.parametrize("B, T, H, path", [(1, 8192, 4, "chunk_bwd_warmup"),
                                            (4, 2048, 16, "chunk_bwd")])
-def test_training_forward_keeps_states_for_the_backward(sm90_without_launches, monkeypatch,
+def test_training_forward_keeps_states_for_the_backward(sm90_without_launches, fused_launches,
                                                         B, T, H, path, save):
     """``save_chunk_states`` (default): the training forward's ``chunk_fwd_ws`` computes
     o and also stores h in q's dtype (warm-up flag as its split), and the backward
@@ -113,12 +126,8 @@ def test_training_forward_keeps_states_for_the_backward(sm90_without_launches, m
     recomputes it (states only). Statics: (dtype, K, V, has_h0, store_h, warmup,
     h_in_dtype, states_only), trailing False dropped."""
     import flash_qla
-    from flash_qla_sm90.kernels import forward
 
-    fused = []
-    real = forward.launcher
-    monkeypatch.setattr(forward, "launcher", lambda builder, *static: (
-        fused.append(static[3:]) if len(static) > 2 else None, real(builder, *static))[1])
+    fused = fused_launches
     leaves, do, dht = _inputs(B, T, H, requires_grad=True)
     o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5],
                                              output_final_state=True,
@@ -134,19 +143,15 @@ def test_training_forward_keeps_states_for_the_backward(sm90_without_launches, m
 
 
 def test_captured_backward_of_a_bounded_forward_reads_its_kept_states(
-        sm90_without_launches, monkeypatch):
+        sm90_without_launches, fused_launches, monkeypatch):
     """A bounded-split training forward (eager) whose backward runs inside a CUDA-graph
     capture takes the unsplit backward (the split's walks are planned on the host); it
     reads the states the bounded forward kept (same [K, V] layout, dtype and chunk rows)
     and launches no recompute."""
     import flash_qla
     from flash_qla import validation
-    from flash_qla_sm90.kernels import forward
 
-    fused = []
-    real = forward.launcher
-    monkeypatch.setattr(forward, "launcher", lambda builder, *static: (
-        fused.append(static[3:]) if len(static) > 2 else None, real(builder, *static))[1])
+    fused = fused_launches
     leaves, do, dht = _inputs(1, 8192, 4, requires_grad=True)
     o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5],
                                              output_final_state=True)

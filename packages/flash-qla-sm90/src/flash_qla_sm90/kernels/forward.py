@@ -76,6 +76,11 @@ def _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens: int) -> bool:
     return True          # unknown without a host sync: zero-init
 
 
+def chunks_known(layout: ChunkLayout, cu_seqlens_cpu) -> bool:
+    """Whether :func:`total_chunks` answers without a host sync (dense, or host offsets)."""
+    return layout.num_chunks is not None or cu_seqlens_cpu is not None
+
+
 def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
     if layout.num_chunks is not None:
         return layout.num_chunks
@@ -370,8 +375,7 @@ def _keeps_states(layout: ChunkLayout, cu_seqlens_cpu, Hv: int, K: int, V: int,
     recomputes h (fp32 h would cost twice the memory)."""
     from .backward import states_in_dtype
 
-    return ((layout.num_chunks is not None or cu_seqlens_cpu is not None)
-            and states_in_dtype(layout, Hv, K, V, device))
+    return chunks_known(layout, cu_seqlens_cpu) and states_in_dtype(layout, Hv, K, V, device)
 
 
 def _fused_outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, scale,
@@ -439,7 +443,7 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     Hv, V = v.shape[2:]
     layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
                                                        cu_seqlens_cpu)
-    keep = keep_states and (layout.num_chunks is not None or cu_seqlens_cpu is not None)
+    keep = keep_states and chunks_known(layout, cu_seqlens_cpu)
     o, final_state, h = _fused(
         _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
         initial_state=initial_state, alloc=alloc, walks=starts,
