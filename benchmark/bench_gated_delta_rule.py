@@ -155,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument(
         "--peers",
         default="fla,flashinfer,flashqla",
-        help="comma-separated peers among fla, flashinfer, flashqla, or 'none' "
-        "(default: all; a peer that is absent is reported as 'not installed')",
+        help="comma-separated peers among fla, flashinfer, flashqla, unsplit, or 'none' "
+        "(default: the three external ones; a peer that is absent is reported as 'not "
+        "installed'). 'unsplit' is ours with auto_cp=False: beside the default it shows "
+        "what the automatic segment split gains on each shape",
     )
     sel.add_argument(
         "--flashqla-path",
@@ -369,7 +371,10 @@ def availability(peers: list[str], info: dict, args) -> dict:
     versions = info.get("versions", {})
     for peer in peers:
         why = None
-        if args.device == "cpu":
+        if peer == "unsplit":                 # ours again: runs wherever ours does
+            ours = str(versions.get("ours", "error"))
+            why = f"not installed ({ours})" if ours.startswith("error") else None
+        elif args.device == "cpu":
             why = "skipped: needs a CUDA GPU (--device cpu runs ours only)"
         elif peer == "flashqla":
             if not args.flashqla_path:

@@ -57,14 +57,19 @@ NO_GPU_LINE = (
     f"({INSTALL_HINT}); run `--device cpu` for the small CPU demo."
 )
 
-PEERS = ("fla", "flashinfer", "flashqla")
+# "unsplit" is ours with auto_cp=False (segment parallelism off): measured beside the
+# default it shows what the automatic split gains or loses on each shape (issue 6)
+PEERS = ("fla", "flashinfer", "flashqla", "unsplit")
 LABELS = {
     "ours": "FlashQLA (ours)",
     "fla": "FLA",
     "flashinfer": "FlashInfer",
     "flashqla": "FlashQLA (peer)",
+    "unsplit": "FlashQLA (ours, auto_cp=False)",
 }
-SHORT = {"ours": "ours", "fla": "FLA", "flashinfer": "FlashInfer", "flashqla": "FlashQLA-0.1.3"}
+SHORT = {"ours": "ours", "fla": "FLA", "flashinfer": "FlashInfer", "flashqla": "FlashQLA-0.1.3",
+         "unsplit": "unsplit"}
+OURS_FAMILY = ("ours", "unsplit")   # our own code: runs on the CPU (torch backend) too
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -508,6 +513,18 @@ class Ours(Impl):
         return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"], **kw)
 
 
+class OursUnsplit(Ours):
+    """Ours with ``auto_cp=False`` whatever ``--ours-segment-len`` says: the baseline a
+    segment-parallel choice has to beat (its error column is split vs unsplit)."""
+
+    name = "unsplit"
+
+    def load(self, ctx):
+        version = super().load(ctx)
+        self.segment_len, self.shortcut_bound = "off", None
+        return version
+
+
 def _shorten_triton_autotuning(rep_ms: float) -> None:
     """Make every Triton autotuner of this process time each config for ``rep_ms`` (warm-up
     ``rep_ms / 4``) instead of Triton's 100 / 25 ms. Triton 3.x reads ``Autotuner.do_bench``
@@ -615,12 +632,13 @@ class FlashQLA013(Impl):
         return _fla_style_call(self.fn, a)
 
 
-IMPLS = {"ours": Ours, "fla": FLA, "flashinfer": FlashInfer, "flashqla": FlashQLA013}
+IMPLS = {"ours": Ours, "fla": FLA, "flashinfer": FlashInfer, "flashqla": FlashQLA013,
+         "unsplit": OursUnsplit}
 
 
 def static_unsupported(impl: str, shape: Shape, env: dict) -> str | None:
     """Why ``impl`` cannot run ``shape`` here, known without starting a worker."""
-    if env.get("device") == "cpu" and impl != "ours":
+    if env.get("device") == "cpu" and impl not in OURS_FAMILY:
         return "skipped: needs a CUDA GPU (--device cpu runs ours only)"
     if impl == "flashinfer" and shape.mode == "bwd":
         return "unsupported: forward only"

@@ -352,3 +352,22 @@ def test_backward_table_shows_the_training_step_eager_and_graphed():
     fla["fwdbwd_graph_status"] = "not capturable: RuntimeError: sync"
     assert any("fwd+bwd graph column: not capturable" in n
                for n in bench.notes({(key, "ours"): ours, (key, "fla"): fla}))
+
+
+@needs_ours
+def test_unsplit_peer_is_ours_without_the_split(tmp_path):
+    """--peers unsplit runs ours with auto_cp=False beside the default, on the CPU too
+    (our torch backend): its rows are ok, match ours and get a 'vs unsplit' column."""
+    shapes = "fwd:2/4@1x128,bwd:2/2@1x64"
+    p = _run([BENCH, "--device", "cpu", "--out", str(tmp_path), "--peers", "unsplit",
+              "--worker-per", "heads", "--shapes", shapes])
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    rows = {(r["impl"], r["shape"]): r for r in data["results"]}
+    for key in ("fwd:2/4@1x128", "bwd:2/2@1x64"):
+        unsplit = rows[("unsplit", key)]
+        assert unsplit["status"] == "ok" and unsplit["eager_ms"] > 0, unsplit
+        assert unsplit["err_max"] < 1e-6, unsplit      # the tiny shapes are never split
+    assert "vs unsplit" in (tmp_path / "cpu.md").read_text()
+    assert C.static_unsupported("unsplit", C.Shape.from_key("bwd:2/2@1x64"),
+                                {"device": "cpu"}) is None
