@@ -124,6 +124,50 @@ def test_kept_chunk_states_give_the_recomputed_gradients(case, segment_len, monk
         assert torch.equal(kept[name], recomputed[name]), name
 
 
+def test_bounded_training_step_inside_graph_capture(monkeypatch):
+    """The whole training step (forward with grad + every gradient) of a dense input
+    captured as one CUDA graph runs the bounded split both ways (the backward's split
+    is planned from the shape, the same at every replay); a replay on fresh inputs
+    gives the eager step's gradients on them, bitwise, and those match the fp64
+    recurrence."""
+    from flash_qla import api
+
+    case = Case(1, 8192, 2, 4)                       # the planner splits it (512 tokens)
+    bounded = []
+    real = api.warmup_bwd
+    monkeypatch.setattr(api, "warmup_bwd", lambda *a, **kw: (bounded.append(1),
+                                                             real(*a, **kw))[1])
+    leaves = {n: t.detach().clone().requires_grad_(True)
+              for n, t in make_inputs(case, seed=3).items() if n != "cu_seqlens"}
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    do = torch.randn(1, 8192, 4, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(1, 4, 128, 128, generator=gen, device="cuda")
+
+    def step():
+        o, final = flash_qla.chunk_gated_delta_rule(**leaves, output_final_state=True)
+        return torch.autograd.grad((o, final), list(leaves.values()), (do, dht))
+
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                       # warm-up off-graph
+        with torch.cuda.graph(graph):
+            captured = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    fresh = make_inputs(case, seed=4)
+    with torch.no_grad():
+        for name, t in leaves.items():
+            t.copy_(fresh[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    assert bounded == [1, 1, 1]                      # warm-up, capture, eager
+    ref = _reference_grads(fresh, do.float(), dht)
+    for name, got, want in zip(leaves, captured, eager):
+        assert torch.equal(got, want), name
+        assert rel_l2(got, ref[name]) < TOL[name], name
+
+
 def test_gradients_deterministic():
     inp = make_inputs(CASES[12], seed=4)
     first, _, _ = _grads(inp)

@@ -142,22 +142,32 @@ def test_training_forward_keeps_states_for_the_backward(sm90_without_launches, f
                          (True, True, warmup, True, True)]          # h recomputed
 
 
+@pytest.mark.parametrize("varlen, path", [(False, "chunk_bwd_warmup"), (True, "chunk_bwd")],
+                         ids=["dense", "varlen"])
 def test_captured_backward_of_a_bounded_forward_reads_its_kept_states(
-        sm90_without_launches, fused_launches, monkeypatch):
+        sm90_without_launches, fused_launches, monkeypatch, varlen, path):
     """A bounded-split training forward (eager) whose backward runs inside a CUDA-graph
-    capture takes the unsplit backward (the split's walks are planned on the host); it
-    reads the states the bounded forward kept (same [K, V] layout, dtype and chunk rows)
-    and launches no recompute."""
+    capture: dense, the bounded backward (its split is planned from the shape, the same
+    at every replay); varlen (host offsets), the unsplit backward (the split would be
+    planned from the call's lengths). Both read the states the bounded forward kept
+    (same [K, V] layout, dtype and chunk rows) and launch no recompute."""
     import flash_qla
     from flash_qla import validation
 
     fused = fused_launches
-    leaves, do, dht = _inputs(1, 8192, 4, requires_grad=True)
-    o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5],
-                                             output_final_state=True)
+    (q, k, v, g, beta, h0), do, dht = _inputs(1, 8192, 4, requires_grad=True)
+    seqs = {}
+    if varlen:
+        cu = torch.tensor([0, 5000, 8192], dtype=torch.int32)
+        seqs = dict(cu_seqlens=cu, cu_seqlens_cpu=cu)
+        h0 = torch.zeros(2, 4, 128, 128, requires_grad=True)
+        dht = torch.randn(2, 4, 128, 128)
+    leaves = (q, k, v, g, beta, h0)
+    o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], initial_state=h0,
+                                             output_final_state=True, **seqs)
     monkeypatch.setattr(validation, "is_capturing", lambda device: True)
     torch.autograd.grad((o, ht), leaves, (do, dht))
-    assert sm90_without_launches == ["chunk_bwd"]
+    assert sm90_without_launches == [path]
     assert fused == [(True, True, True, True)]           # the bounded forward's, only
 
 

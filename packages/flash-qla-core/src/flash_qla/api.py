@@ -215,6 +215,14 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
     return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=bounded)
 
 
+def _split_allowed(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:
+    """Whether a split planned on the host may run now: always outside a CUDA-graph
+    capture; inside one only for a dense input, whose lengths are its shape at every
+    replay (the rule of :func:`_auto_segment_len` and ``segments.fwd_with_segments``;
+    a varlen backward captured there takes the unsplit path)."""
+    return cu_seqlens is None or not validation.is_capturing(q.device)
+
+
 def _swap_state_layout(state: torch.Tensor | None) -> torch.Tensor | None:
     """``[N, Hv, K, V]`` <-> ``[N, Hv, V, K]`` (contiguous copy)."""
     return None if state is None else state.transpose(-1, -2).contiguous()
@@ -291,7 +299,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             do = torch.zeros_like(v, dtype=q.dtype)                   # [B,T,Hv,V]
         do, dht = _contiguous(do, dht)
         bwd = ctx.kernels.bwd
-        if ctx.warmup is not None and not validation.is_capturing(q.device):
+        if ctx.warmup is not None and _split_allowed(q, cu_seqlens):
             bwd = functools.partial(warmup_bwd, ctx.kernels, segment_len=ctx.warmup[0],
                                     shortcut_bound=ctx.warmup[1])
         kept = {} if states is None else {"states": states}    # else: recomputed
