@@ -278,15 +278,25 @@ def test_warmup_ends_match_a_walk_chunk_by_chunk(seed):
     assert dht_from == expected_from
 def test_plans_made_while_capturing_are_kept(monkeypatch):
     """A plan used inside a CUDA-graph capture stays alive (its device tensors and
-    staging buffers are read by every replay), even after the LRU cache drops it."""
+    staging buffers are read by every replay), even after the LRU cache drops it; one
+    first built inside a capture is never handed to an eager call or another capture
+    (its data arrives only when its graph replays), while an eagerly built one is
+    shared with the captures that follow."""
     monkeypatch.setattr(segments, "_CAPTURED_PLANS", {})
-    monkeypatch.setattr(segments, "is_capturing", lambda device: True)
-    plan = segments._plan_for([0, 640], 128, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    capturing = {"on": True}
+    monkeypatch.setattr(segments, "is_capturing", lambda device: capturing["on"])
     segments._plan.cache_clear()
-    assert list(segments._CAPTURED_PLANS.values()) == [plan]
-    monkeypatch.setattr(segments, "is_capturing", lambda device: False)
-    segments._plan_for([0, 700], 128, torch.device("cpu"))
-    assert len(segments._CAPTURED_PLANS) == 1
+    in_graph = segments._plan_for([0, 640], 128, cpu)
+    again = segments._plan_for([0, 640], 128, cpu)             # another capture
+    capturing["on"] = False
+    eager = segments._plan_for([0, 640], 128, cpu)
+    assert eager is not in_graph and again is not in_graph and eager is not again
+    capturing["on"] = True
+    assert segments._plan_for([0, 640], 128, cpu) is eager      # built eagerly: shared
+    segments._plan.cache_clear()
+    assert set(map(id, segments._CAPTURED_PLANS.values())) == {id(in_graph), id(again),
+                                                              id(eager)}
 
 
 @pytest.mark.parametrize("dense, bound, allowed", [(True, 2.0 ** -9, True),

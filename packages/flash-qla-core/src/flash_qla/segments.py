@@ -205,16 +205,23 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
                  any_empty=min(counts, default=0) == 0, staging=tuple(staging))
 
 
-#: Plans used inside a CUDA-graph capture: a graph reads their device tensors (and
-#: re-copies their staging buffers) at every replay, so they are never dropped.
+#: Plans used inside a CUDA-graph capture (by id): a graph reads their device tensors
+#: (and re-copies their staging buffers) at every replay, so they are never dropped.
 _CAPTURED_PLANS: dict = {}
 
 
 def _plan_for(bounds: list[int], segment_len: int, device: torch.device) -> _Plan:
-    """:func:`_plan`, kept for the process's life when a graph is being captured."""
+    """:func:`_plan`, kept for the process's life when a graph is being captured. A plan
+    first built inside a capture holds data only once that graph replays (its copies
+    are recorded, not run), so it leaves the cache at once: no eager call and no other
+    graph is handed it (they build their own)."""
+    if not is_capturing(device):
+        return _plan(tuple(bounds), segment_len, device)
+    misses = _plan.cache_info().misses
     plan = _plan(tuple(bounds), segment_len, device)
-    if is_capturing(device):
-        _CAPTURED_PLANS[(tuple(bounds), segment_len, device)] = plan
+    if _plan.cache_info().misses != misses:          # built inside this capture
+        _plan.cache_clear()
+    _CAPTURED_PLANS[id(plan)] = plan
     return plan
 
 
