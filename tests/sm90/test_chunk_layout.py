@@ -44,3 +44,19 @@ def test_uncached_builders_exist_for_graph_capture():
     assert fresh is not varlen_layout.__wrapped__(cu, 70)
     assert torch.equal(fresh.chunk_idx, varlen_layout(cu, 70).chunk_idx)
     assert dense_layout.__wrapped__(2, 64, torch.device("cpu")).num_chunks == 2
+
+
+def test_static_layout_is_kept_per_token_count_and_never_replaced():
+    """A static offsets tensor keeps one layout per token count (a dense input and a
+    padded varlen one share a plan), and a later count never replaces an earlier one
+    (a graph may read it); a layout built while capturing is not kept."""
+    from flash_qla_sm90.kernels.chunk_layout import static_layout
+
+    cu = torch.tensor([0, 300, 640], dtype=torch.int32)
+    first = static_layout(cu, 640, capturing=False)
+    padded = static_layout(cu, 704, capturing=False)
+    assert static_layout(cu, 640, capturing=True) is first
+    assert static_layout(cu, 704, capturing=False) is padded and padded is not first
+    in_graph = static_layout(cu, 768, capturing=True)
+    assert static_layout(cu, 768, capturing=False) is not in_graph
+    assert first.num_chunks_max < padded.num_chunks_max

@@ -247,3 +247,45 @@ def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, mo
     assert (dq.dtype, dq.shape, dk.dtype) == (q.dtype, q.shape, k.dtype)
     assert count.ops["aten.sum"] == 2, count.ops                      # dq's and dk's
     assert count.ops["aten._to_copy"] == (2 if in_dtype else 4), count.ops
+
+
+_INDEX_OPS = ("aten.searchsorted", "aten.cumsum")     # chunk_layout._build's, on the device
+
+
+def test_captured_bounded_split_reuses_its_segment_layout(sm90_without_launches, monkeypatch):
+    """The bounded split's segment offsets never change (the plan keeps them), so their
+    chunk layout, built by the first eager call, serves a later CUDA-graph capture too:
+    the captured training step records none of the layout's index ops. A capture with
+    no eager call before it builds the layout inside the graph and keeps nothing of it;
+    the user's varlen offsets are rebuilt in every capture as before."""
+    import flash_qla
+    from flash_qla import validation
+    from flash_qla_sm90.kernels import forward
+
+    capturing = {"on": False}
+    for module in (validation, forward):
+        monkeypatch.setattr(module, "is_capturing", lambda device: capturing["on"])
+    inputs = {T: _inputs(1, T, 4, requires_grad=True) for T in (8192, 16384)}
+
+    def step(T=8192):
+        leaves, do, dht = inputs[T]
+        o, ht = flash_qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                                 output_final_state=True)
+        torch.autograd.grad((o, ht), leaves, (do, dht))
+
+    step()                                                     # eager: layout kept
+    capturing["on"] = True
+    count = _OpCount()
+    with count:
+        step()                                                 # "captured": reused
+    assert not any(count.ops[op] for op in _INDEX_OPS), count.ops
+    count = _OpCount()
+    with count:
+        step(T=16384)                                          # a plan never run eagerly
+    assert all(count.ops[op] for op in _INDEX_OPS), count.ops
+    capturing["on"] = False
+    count = _OpCount()
+    with count:
+        step(T=16384)                                          # so eager builds its own
+    assert all(count.ops[op] for op in _INDEX_OPS), count.ops
+    assert sm90_without_launches == ["chunk_bwd_warmup"] * 4

@@ -71,12 +71,13 @@ class Packed(NamedTuple):
     layout: ChunkLayout
 
 
-def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens) -> Packed:
+def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static: bool = False) -> Packed:
     """:class:`Packed` from ``Kernels.bwd``'s ``[B, T, ...]`` tensors (``v`` or ``do``
-    None: a launch that does not read it)."""
+    None: a launch that does not read it). ``static``: ``cu_seqlens`` never changes
+    (``forward.layout_for``)."""
     return Packed(_packed(q), _packed(k), None if v is None else _packed(v),
                   _packed(g_cumsum, torch.float32), _packed(beta, torch.float32), _packed(A),
-                  None if do is None else _packed(do), layout_for(q, cu_seqlens))
+                  None if do is None else _packed(do), layout_for(q, cu_seqlens, static))
 
 
 def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
@@ -158,7 +159,7 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     from .chunk_bwd_intra import chunk_grads
 
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static=True)   # segment offsets
     h = _kept(states, q.dtype if traits.BWD_STATES_IN_DTYPE else torch.float32)
     if h is None:
         _, _, h = _fused(

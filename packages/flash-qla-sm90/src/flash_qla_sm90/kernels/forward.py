@@ -13,7 +13,7 @@ from . import traits
 from .chunk_fwd import chunk_fwd_kernel
 from .chunk_fwd_t import chunk_fwd_t_kernel
 from .chunk_fwd_ws import chunk_fwd_ws_kernel
-from .chunk_layout import ChunkLayout, dense_layout, varlen_layout
+from .chunk_layout import ChunkLayout, dense_layout, static_layout, varlen_layout
 from .chunk_prepare import PREPARE_KERNELS
 from .launch import launcher
 from .traits import CHUNK
@@ -40,11 +40,16 @@ def prepare_kernel():
     return PREPARE_KERNELS[prepare_kernel_name()]
 
 
-def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
+def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
+               static: bool = False) -> ChunkLayout:
     """The call's chunk layout; cached in eager mode, rebuilt inside a CUDA-graph capture
     (the graph then recomputes it from the live ``cu_seqlens`` at every replay, and no
-    cache entry points into the graph's memory)."""
+    cache entry points into the graph's memory). ``static``: ``cu_seqlens`` never
+    changes (a split's segment offsets): one layout built outside any capture serves
+    every call and capture (``chunk_layout.static_layout``)."""
     B, T = q.shape[:2]
+    if static and cu_seqlens is not None:
+        return static_layout(cu_seqlens, B * T, is_capturing(q.device))
     dense, varlen = dense_layout, varlen_layout
     if is_capturing(q.device):
         dense, varlen = dense.__wrapped__, varlen.__wrapped__        # uncached builders
@@ -412,12 +417,12 @@ def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
         output_final_state=output_final_state, output_h=output_h)
 
 
-def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu):
+def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool = False):
     """The call's layout and output allocator, and the prepare kernel on it: returns
     ``(layout, alloc, k_p [Tt, Hk, K], beta_p [Tt, Hv] fp32, g_cumsum [Tt, Hv] fp32,
-    A [Tt, Hv, C])`` (packed) for the fused kernel."""
+    A [Tt, Hv, C])`` (packed) for the fused kernel. ``static``: see :func:`layout_for`."""
     B, T = q.shape[:2]
-    layout = layout_for(q, cu_seqlens)
+    layout = layout_for(q, cu_seqlens, static)
     alloc = _output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
     k_p, beta_p = _packed(k), _packed(beta, torch.float32)       # [Tt, Hk, K], [Tt, Hv]
     Tt, Hv = beta_p.shape
@@ -442,7 +447,7 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
     layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
-                                                       cu_seqlens_cpu)
+                                                       cu_seqlens_cpu, static=True)
     keep = keep_states and chunks_known(layout, cu_seqlens_cpu)
     o, final_state, h = _fused(
         _packed(q), k_p, _packed(v), g_cumsum, beta_p, A, layout, scale=scale,
