@@ -247,3 +247,27 @@ def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, mo
     assert (dq.dtype, dq.shape, dk.dtype) == (q.dtype, q.shape, k.dtype)
     assert count.ops["aten.sum"] == 2, count.ops                      # dq's and dk's
     assert count.ops["aten._to_copy"] == (2 if in_dtype else 4), count.ops
+
+
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["cu_seqlens_cpu", "device-only"])
+def test_captured_varlen_batch_is_split_on_the_device(sm90_without_launches, fused_launches,
+                                                      monkeypatch, host_lengths):
+    """Inside a CUDA-graph capture a varlen prefill (no grad) at few heads runs the
+    bounded split (the warm-up flag set on chunk_fwd_ws) from a plan laid out on the
+    device: the segment length is planned from cu_seqlens_cpu when given, else as if the
+    batch were one sequence; the lengths are never read on the host."""
+    import flash_qla
+    from flash_qla import segments, validation
+    from flash_qla_sm90.kernels import forward
+
+    for module in (validation, segments, forward):
+        monkeypatch.setattr(module, "is_capturing", lambda device: True)
+    monkeypatch.setattr(segments, "host_bounds", None)          # no host lengths used
+    (q, k, v, g, beta, _), _, _ = _inputs(1, 8192, 4, requires_grad=False)
+    cu = torch.tensor([0, 5000, 8192], dtype=torch.int32)
+    h0 = torch.zeros(2, 4, 128, 128)
+    o, ht = flash_qla.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+        cu_seqlens_cpu=cu if host_lengths else None)
+    assert fused_launches == [(True, False, True)]    # has_h0, no h, warm-up
+    assert o.shape == v.shape and ht.shape == h0.shape
