@@ -321,8 +321,8 @@ def test_only_dense_bounded_splits_run_inside_capture(monkeypatch, dense, bound,
 def test_device_plan_matches_the_host_plan(lens, segment_len):
     """The split laid out on the device from live offsets (a captured varlen batch)
     lists the host plan's segments, with their sequences and starts, then empty ones
-    at the batch's end up to its host-known size; each sequence's last segment and
-    segment count are the host plan's."""
+    at the batch's end up to its host-known size, which walk nothing; each sequence's
+    last segment and segment count are the host plan's."""
     bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
     host = segments._plan(tuple(bounds), segment_len, torch.device("cpu"))
     pad = 7                                           # tokens after the last sequence
@@ -334,6 +334,9 @@ def test_device_plan_matches_the_host_plan(lens, segment_len):
     assert dev.cu[nseg + 1:].tolist() == [bounds[-1]] * (slots - nseg)   # empty segments
     assert dev.seg_seq[:nseg].tolist() == host.seg_seq.tolist()
     assert dev.seg_seq_start[:nseg].tolist() == host.seg_seq_start.tolist()
+    # an empty segment's sequence "starts" at it: the kernel's walk search has no chunk
+    # to walk back over (else each would re-run the last sequence's tail for nothing)
+    assert dev.seg_seq_start[nseg:].tolist() == [bounds[-1]] * (slots - nseg)
     assert dev.last_seg.tolist() == host.last_seg.tolist()
     assert dev.ends.tolist() == host.ends.tolist()
 

@@ -228,7 +228,8 @@ class _DevicePlan:
     empty ones at the batch's end."""
     N: int                  # sequences
     cu: Tensor              # [Smax+1] int32: segment offsets (non-decreasing)
-    seg_seq_start: Tensor   # [Smax] int32: its sequence's first token (kernel walks)
+    seg_seq_start: Tensor   # [Smax] int32: its sequence's first token (kernel walks; an
+                            # empty segment's own start, so that no walk is searched)
     seg_seq: Tensor         # [Smax] int32: its sequence
     last_seg: Tensor        # [N] long: each sequence's last segment (0 if it has none)
     ends: Tensor            # [N] long: segments per sequence
@@ -248,11 +249,12 @@ def _device_plan(cu_seqlens: Tensor, num_tokens: int, segment_len: int) -> _Devi
     slots = -(-num_tokens // segment_len) + N                         # Smax
     slot = torch.arange(slots, device=cu.device)                      # [Smax]
     seq = torch.searchsorted(first[1:], slot, right=True).clamp_(max=max(N - 1, 0))
-    start = cu[seq] + (slot - first[seq]) * segment_len               # [Smax]
-    start = torch.where(slot < first[-1], start, cu[-1])              # empty past the end
-    return _DevicePlan(
-        N, torch.cat([start, cu[-1:]]).int(), cu[seq].int(), seq.int(),
-        (first[1:] - 1).clamp_(min=0), counts)
+    live = slot < first[-1]                                           # [Smax]
+    start = torch.where(live, cu[seq] + (slot - first[seq]) * segment_len, cu[-1])
+    # an empty segment's "sequence" starts where it does: a kernel walks nothing for it
+    seq_start = torch.where(live, cu[seq], cu[-1])
+    return _DevicePlan(N, torch.cat([start, cu[-1:]]).int(), seq_start.int(), seq.int(),
+                       (first[1:] - 1).clamp_(min=0), counts)
 
 
 def _scan(M: Tensor, L: Tensor, plan: _Plan, initial_state: Tensor | None,
