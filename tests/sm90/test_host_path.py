@@ -254,8 +254,9 @@ def test_captured_varlen_batch_is_split_on_the_device(sm90_without_launches, fus
                                                       monkeypatch, host_lengths):
     """Inside a CUDA-graph capture a varlen prefill (no grad) at few heads runs the
     bounded split (the warm-up flag set on chunk_fwd_ws) from a plan laid out on the
-    device: the segment length is planned from cu_seqlens_cpu when given, else as if the
-    batch were one sequence; the lengths are never read on the host."""
+    device: the segment length is planned from cu_seqlens_cpu when given, else as if
+    one sequence held nearly all the tokens; the lengths are never read on the host. A
+    batch of 64 sequences (x 4 heads: more CTAs than SMs) stays unsplit either way."""
     import flash_qla
     from flash_qla import segments, validation
     from flash_qla_sm90.kernels import forward
@@ -271,3 +272,8 @@ def test_captured_varlen_batch_is_split_on_the_device(sm90_without_launches, fus
         cu_seqlens_cpu=cu if host_lengths else None)
     assert fused_launches == [(True, False, True)]    # has_h0, no h, warm-up
     assert o.shape == v.shape and ht.shape == h0.shape
+    many = torch.arange(0, 8193, 128, dtype=torch.int32)                 # 64 sequences
+    fused_launches.clear()
+    flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=many,
+                                     cu_seqlens_cpu=many if host_lengths else None)
+    assert fused_launches == [(False, False)]            # no h0, no h, no warm-up

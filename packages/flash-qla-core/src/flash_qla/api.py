@@ -207,7 +207,9 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
     varlen batch on a backend that searches its walks in the kernel
     (``Kernels.searches_walks``; the split is then laid out on the device at every
     replay), whose segment length is planned from ``cu_seqlens_cpu`` (the capture's
-    lengths) or, without it, as if the batch were one sequence of all its tokens.
+    lengths) or, without it, as if one of its N sequences held nearly all its tokens
+    (the case a split is for; a batch whose sequences x heads fill the GPU stays
+    unsplit).
     ``bounded``: the split will be the one-pass bounded one (``fwd_warmup``), else the
     exact one."""
     plan = getattr(kernels, "plan_segment_len", None)
@@ -217,9 +219,10 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
     if validation.is_capturing(q.device):
         if not bounded or (cu_seqlens is not None and not searches_walks(kernels)):
             return None
-        if cu_seqlens is not None and cu_seqlens_cpu is None:
-            return plan([0, B * T], v.shape[2], q.shape[3], v.shape[3], q.device,
-                        bounded=True)
+        if cu_seqlens is not None and cu_seqlens_cpu is None:     # N known, lengths not
+            N, Tt = cu_seqlens.numel() - 1, B * T
+            longest = [0, *range(max(Tt - N + 1, 0), Tt + 1)]   # one long, N - 1 of 1 token
+            return plan(longest, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=True)
     elif cu_seqlens is not None and cu_seqlens_cpu is None:
         return None
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)               # [N+1], no sync
@@ -396,8 +399,8 @@ def chunk_gated_delta_rule(
             and inside a capture only for the bounded split: of a dense input, or of a
             varlen batch on a backend that searches its walks in the kernel (sm90),
             laid out on the device from the live ``cu_seqlens`` at every replay, its
-            segment length planned from ``cu_seqlens_cpu`` when given, else as if the
-            batch were one sequence. sm90 splits when
+            segment length planned from ``cu_seqlens_cpu`` when given, else as if one
+            sequence held nearly all its tokens. sm90 splits when
             (sequences x heads) leave SMs idle: the bounded split into as many segments
             as one wave holds, the exact one (bound 0) into segments of 4096 or 8192 (cost
             model fitted on the H200; ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``).
