@@ -304,9 +304,10 @@ def test_plans_made_while_capturing_are_kept(monkeypatch):
                                                    (False, 2.0 ** -9, False)],
                          ids=["dense-bounded", "dense-exact", "varlen-bounded"])
 def test_only_dense_bounded_splits_run_inside_capture(monkeypatch, dense, bound, allowed):
-    """Inside a capture: the bounded split of a dense input runs (its lengths are the
+    """Inside a capture, on a backend whose walks are not searched in a kernel (the
+    torch backend): the bounded split of a dense input runs (its lengths are the
     shape); the exact split and any varlen split raise a ValueError naming
-    segment_len (a replay could bring other lengths)."""
+    segment_len (a replay could bring other lengths, and its plan is the host's)."""
     monkeypatch.setattr(segments, "is_capturing", lambda device: True)
     monkeypatch.setattr(segments, "_CAPTURED_PLANS", {})
     q, k, v, g, beta, s0, bounds = _inputs(None if dense else [200, 100], 1, 300, 1, 2,
@@ -322,6 +323,80 @@ def test_only_dense_bounded_splits_run_inside_capture(monkeypatch, dense, bound,
     else:
         with pytest.raises(ValueError, match="segment_len"):
             run()
+
+
+@pytest.mark.parametrize("lens, segment_len", [([200, 0, 1, 64, 130], 64),
+                                                ([0, 0, 700], 128), ([5], 64),
+                                                ([256, 512, 3, 0], 256), ([0], 64)])
+def test_device_plan_matches_the_host_plan(lens, segment_len):
+    """The split laid out on the device from live offsets (a captured varlen batch)
+    lists the host plan's segments, with their sequences and starts, then empty ones
+    at the batch's end up to its host-known size, which walk nothing; each sequence's
+    last segment and segment count are the host plan's."""
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    host = segments._plan(tuple(bounds), segment_len, torch.device("cpu"))
+    pad = 7                                           # tokens after the last sequence
+    dev = segments._device_plan(torch.tensor(bounds, dtype=torch.int32), bounds[-1] + pad,
+                                segment_len)
+    nseg, slots = host.num_segments, dev.seg_seq.numel()
+    assert slots == -(-(bounds[-1] + pad) // segment_len) + len(lens) >= nseg
+    assert dev.cu.dtype == torch.int32 and dev.cu[:nseg + 1].tolist() == host.cu_cpu.tolist()
+    assert dev.cu[nseg + 1:].tolist() == [bounds[-1]] * (slots - nseg)   # empty segments
+    assert dev.seg_seq[:nseg].tolist() == host.seg_seq.tolist()
+    assert dev.seg_seq_start[:nseg].tolist() == host.seg_seq_start.tolist()
+    # an empty segment's sequence "starts" at it: the kernel's walk search has no chunk
+    # to walk back over (else each would re-run the last sequence's tail for nothing)
+    assert dev.seg_seq_start[nseg:].tolist() == [bounds[-1]] * (slots - nseg)
+    assert dev.last_seg.tolist() == host.last_seg.tolist()
+    assert dev.ends.tolist() == host.ends.tolist()
+
+
+class _DeviceSearch:
+    """The torch backend as one that searches its walks in the kernel
+    (``searches_walks``): ``fwd_warmup`` must get a device plan and no host offsets; it
+    runs the reference split on the host plan of the lengths the test gives it (what the
+    device plan's live segments must be: the test above) and pads the final states of
+    the device plan's empty segments with NaN (the core must never read them)."""
+
+    fwd = staticmethod(TORCH_KERNELS.fwd)
+    searches_walks = True
+
+    def __init__(self, bounds, segment_len):
+        self.host = segments._plan(tuple(bounds), segment_len, torch.device("cpu"))
+        self.plans = []
+
+    def fwd_warmup(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
+                   cu_seqlens_cpu, starts):
+        assert cu_seqlens_cpu is None and isinstance(starts.plan, segments._DevicePlan)
+        self.plans.append(starts.plan)
+        g_cumsum, A, o, final = TORCH_KERNELS.fwd_warmup(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            cu_seqlens=self.host.cu, cu_seqlens_cpu=self.host.cu_cpu,
+            starts=segments.WalkStarts(self.host, starts.bound))
+        empty = cu_seqlens.numel() - 1 - final.shape[0]
+        return g_cumsum, A, o, torch.cat([final, final.new_full((empty, *final.shape[1:]),
+                                                               math.nan)])
+
+
+@pytest.mark.parametrize("lens", [[200, 0, 1, 64, 130], [0, 300]], ids=["mixed", "empty-first"])
+def test_captured_varlen_bounded_split_is_laid_out_on_the_device(monkeypatch, lens):
+    """Inside a capture, a varlen batch on a backend that searches its walks in the
+    kernel is split by a plan laid out on the device (no host offsets, empty segments
+    at the end): o and the final states equal the host-planned split's, including an
+    empty sequence's (its initial state)."""
+    q, k, v, g, beta, s0, bounds = _inputs(lens, 1, 400, 2, 4, True, "typical")
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    run = functools.partial(segments.fwd_with_segments, q=q, k=k, v=v, g=g, beta=beta,
+                            scale=0.3, initial_state=s0, cu_seqlens=cu,
+                            output_final_state=True, output_h=False, segment_len=64,
+                            shortcut_bound=2.0 ** -9)
+    want = run(TORCH_KERNELS, cu_seqlens_cpu=cu)
+    kernels = _DeviceSearch(bounds, 64)
+    monkeypatch.setattr(segments, "is_capturing", lambda device: True)
+    monkeypatch.setattr(segments, "host_bounds", None)          # no host lengths used
+    got = run(kernels, cu_seqlens_cpu=None)
+    assert len(kernels.plans) == 1
+    assert torch.equal(got[2], want[2]) and torch.equal(got[4], want[4])
 
 
 class _RecordingBwd:

@@ -364,9 +364,11 @@ def test_automatic_split_matches_recurrence(monkeypatch):
 def test_split_inside_graph_capture():
     """Inside a CUDA-graph capture: the automatic bounded split of a dense input is
     captured (its walks are recomputed from the live gates at every replay: a replay on
-    new inputs equals the eager call on them, bitwise); the exact split and a varlen
-    split raise a ValueError naming segment_len; a varlen call is not split on its own
-    (its replay equals the eager unsplit call)."""
+    new inputs equals the eager call on them, bitwise); the exact split raises a
+    ValueError naming segment_len; a varlen batch is split by a plan laid out on the
+    device from the live cu_seqlens: a replay after the offsets changed in place equals
+    the eager split of the new lengths, bitwise, and the automatic choice (planned from
+    the capture's cu_seqlens_cpu) replays as the eager automatic call."""
     dense = make_inputs(Case(1, 32768, 2, 8), seed=5)
     varlen = make_inputs(_varlen([20000, 12768], 2, 8), seed=6)
     varlen["cu_seqlens_cpu"] = varlen["cu_seqlens"].cpu()           # eager calls split it
@@ -376,15 +378,18 @@ def test_split_inside_graph_capture():
     with torch.cuda.stream(stream):
         flash_qla.chunk_gated_delta_rule(**dense)                     # warm-up off-graph
         flash_qla.chunk_gated_delta_rule(**varlen)
+        flash_qla.chunk_gated_delta_rule(**varlen, segment_len=2048)
         with torch.cuda.graph(graphs[0]):
             captured, _ = flash_qla.chunk_gated_delta_rule(**dense)
         with pytest.raises(ValueError, match="segment_len"), torch.cuda.graph(graphs[1]):
             flash_qla.chunk_gated_delta_rule(**dense, segment_len=2048,
                                              segment_shortcut_bound=0.0)
-        with pytest.raises(ValueError, match="segment_len"), torch.cuda.graph(graphs[2]):
-            flash_qla.chunk_gated_delta_rule(**varlen, segment_len=2048)
+        with torch.cuda.graph(graphs[2]):
+            live, live_final = flash_qla.chunk_gated_delta_rule(
+                **varlen, segment_len=2048, output_final_state=True)
         with torch.cuda.graph(graphs[3]):
             captured_varlen, _ = flash_qla.chunk_gated_delta_rule(**varlen)
+    torch.cuda.current_stream().wait_stream(stream)
     fresh = make_inputs(Case(1, 32768, 2, 8), seed=7)
     for name in ("q", "k", "v", "g", "beta", "initial_state"):
         dense[name].copy_(fresh[name])
@@ -394,5 +399,13 @@ def test_split_inside_graph_capture():
     eager, _ = flash_qla.chunk_gated_delta_rule(**fresh)
     assert torch.equal(captured, eager)
     assert rel_l2(captured, reference(fresh)[0]) < TOL[torch.bfloat16]
-    assert torch.equal(captured_varlen,
-                       flash_qla.chunk_gated_delta_rule(**varlen, auto_cp=False)[0])
+    assert torch.equal(captured_varlen, flash_qla.chunk_gated_delta_rule(**varlen)[0])
+    new = torch.tensor([0, 9000, 32768], dtype=torch.int32)       # other lengths, live
+    varlen["cu_seqlens"].copy_(new.to(varlen["cu_seqlens"].device))
+    varlen["cu_seqlens_cpu"] = new
+    graphs[2].replay()
+    torch.cuda.synchronize()
+    want, want_final = flash_qla.chunk_gated_delta_rule(**varlen, segment_len=2048,
+                                                        output_final_state=True)
+    assert torch.equal(live, want) and torch.equal(live_final, want_final)
+    assert rel_l2(live, reference(varlen)[0]) < TOL[torch.bfloat16]

@@ -289,3 +289,33 @@ def test_captured_bounded_split_reuses_its_segment_layout(sm90_without_launches,
         step(T=16384)                                          # so eager builds its own
     assert all(count.ops[op] for op in _INDEX_OPS), count.ops
     assert sm90_without_launches == ["chunk_bwd_warmup"] * 4
+
+
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["cu_seqlens_cpu", "device-only"])
+def test_captured_varlen_batch_is_split_on_the_device(sm90_without_launches, fused_launches,
+                                                      monkeypatch, host_lengths):
+    """Inside a CUDA-graph capture a varlen prefill (no grad) at few heads runs the
+    bounded split (the warm-up flag set on chunk_fwd_ws) from a plan laid out on the
+    device: the segment length is planned from cu_seqlens_cpu when given, else as if
+    one sequence held nearly all the tokens; the lengths are never read on the host. A
+    batch of 64 sequences (x 4 heads: more CTAs than SMs) stays unsplit either way."""
+    import flash_qla
+    from flash_qla import segments, validation
+    from flash_qla_sm90.kernels import forward
+
+    for module in (validation, segments, forward):
+        monkeypatch.setattr(module, "is_capturing", lambda device: True)
+    monkeypatch.setattr(segments, "host_bounds", None)          # no host lengths used
+    (q, k, v, g, beta, _), _, _ = _inputs(1, 8192, 4, requires_grad=False)
+    cu = torch.tensor([0, 5000, 8192], dtype=torch.int32)
+    h0 = torch.zeros(2, 4, 128, 128)
+    o, ht = flash_qla.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+        cu_seqlens_cpu=cu if host_lengths else None)
+    assert fused_launches == [(True, False, True)]    # has_h0, no h, warm-up
+    assert o.shape == v.shape and ht.shape == h0.shape
+    many = torch.arange(0, 8193, 128, dtype=torch.int32)                 # 64 sequences
+    fused_launches.clear()
+    flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=many,
+                                     cu_seqlens_cpu=many if host_lengths else None)
+    assert fused_launches == [(False, False)]            # no h0, no h, no warm-up

@@ -57,7 +57,8 @@ def emulate_walks(g_cumsum: torch.Tensor, rule: segments.WalkStarts):
     ``chunk_fwd_ws`` (fp32 sum, WALK_UNROLL loads a step; h0 row where the walk starts at
     its sequence's start)."""
     gc = g_cumsum.reshape(-1, g_cumsum.shape[-1]).float()                   # [T,Hv]
-    cu, seq0s, seqs = rule.plan.cu_cpu.tolist(), rule.seq_start.tolist(), rule.seq_index.tolist()
+    cu = (rule.plan.cu if rule.plan.cu_cpu is None else rule.plan.cu_cpu).tolist()
+    seq0s, seqs = rule.seq_start.tolist(), rule.seq_index.tolist()
     log_bound = torch.tensor(rule.log_bound, dtype=torch.float32)
     walk, h0_from = [], []
     for n in range(len(cu) - 1):
@@ -114,6 +115,23 @@ def emulate_walk_ends(g_cumsum: torch.Tensor, rule: segments.WalkEnds):
         walk_end.append(row_e)
         dht_from.append(row_f)
     return walk_end, dht_from
+
+
+@pytest.mark.parametrize("gate", ["typical", "zero"])
+def test_kernel_search_on_a_device_plan(gate):
+    """On a plan laid out on the device (a captured varlen batch), the kernel's search
+    finds the host plan's walks for the batch's segments, and for the empty segments at
+    the end a walk that starts where they do: no chunk to re-run (with zero gates a walk
+    from the last sequence's start would re-run all of it)."""
+    lens = [3000, 0, 1, 700, 64, 2500]
+    rule, g_cumsum = gated_plan(gate, lens, 7, 2.0 ** -9, segments.WalkStarts)
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    device = segments.WalkStarts(segments._device_plan(
+        torch.tensor(bounds, dtype=torch.int32), bounds[-1], 256), 2.0 ** -9)
+    walk, _ = emulate_walks(g_cumsum, device)
+    nseg = rule.plan.num_segments
+    assert walk[:nseg] == emulate_walks(g_cumsum, rule)[0]
+    assert walk[nseg:] and all(w == [bounds[-1]] * 3 for w in walk[nseg:])
 
 
 @pytest.mark.parametrize("gate", GATES)

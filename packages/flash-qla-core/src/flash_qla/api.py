@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_qla import validation
-from flash_qla.backend import BackendSpec, Kernels, keeps_states
+from flash_qla.backend import BackendSpec, Kernels, keeps_states, searches_walks
 from flash_qla.segments import (
     CHUNK,
     DEFAULT_SEGMENT_LEN,
@@ -201,25 +201,39 @@ def gate_from_params(g: torch.Tensor, A_log: torch.Tensor,
 def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_seqlens_cpu,
                       bounded: bool) -> int | None:
     """The backend's automatic segment split (``auto_cp``), asked only when it has a
-    planner and the sequence lengths are on the host (dense input, or
-    ``cu_seqlens_cpu``); inside a CUDA-graph capture only for the bounded split of a
-    dense input (the split is planned from the call's lengths, which a varlen replay may
-    change). ``bounded``: the split will be the one-pass bounded one (``fwd_warmup``),
-    else the exact one."""
+    planner. Planned from the lengths on the host (dense input, or ``cu_seqlens_cpu``);
+    a varlen call without them is not split (their sync would cost more), except inside
+    a CUDA-graph capture. Inside one: only the bounded split, of a dense input, or of a
+    varlen batch on a backend that searches its walks in the kernel
+    (``Kernels.searches_walks``; the split is then laid out on the device at every
+    replay), whose segment length is planned from ``cu_seqlens_cpu`` (the capture's
+    lengths) or, without it, as if one of its N sequences held nearly all its tokens
+    (the case a split is for; a batch whose sequences x heads fill the GPU stays
+    unsplit).
+    ``bounded``: the split will be the one-pass bounded one (``fwd_warmup``), else the
+    exact one."""
     plan = getattr(kernels, "plan_segment_len", None)
-    if plan is None or (cu_seqlens is not None and cu_seqlens_cpu is None):
+    if plan is None:
         return None
-    if validation.is_capturing(q.device) and not (bounded and cu_seqlens is None):
+    B, T = q.shape[:2]
+    if validation.is_capturing(q.device):
+        if not bounded or (cu_seqlens is not None and not searches_walks(kernels)):
+            return None
+        if cu_seqlens is not None and cu_seqlens_cpu is None:     # N known, lengths not
+            N, Tt = cu_seqlens.numel() - 1, B * T
+            longest = [0, *range(max(Tt - N + 1, 0), Tt + 1)]   # one long, N - 1 of 1 token
+            return plan(longest, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=True)
+    elif cu_seqlens is not None and cu_seqlens_cpu is None:
         return None
-    bounds = host_bounds(*q.shape[:2], cu_seqlens, cu_seqlens_cpu)       # [N+1], no sync
+    bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)               # [N+1], no sync
     return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=bounded)
 
 
 def _split_allowed(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:
-    """Whether a split planned on the host may run now: always outside a CUDA-graph
-    capture; inside one only for a dense input, whose lengths are its shape at every
-    replay (the rule of :func:`_auto_segment_len` and ``segments.fwd_with_segments``;
-    a varlen backward captured there takes the unsplit path)."""
+    """Whether the backward of a bounded split (planned on the host) may run now:
+    always outside a CUDA-graph capture; inside one only for a dense input, whose
+    lengths are its shape at every replay (a varlen backward captured there takes the
+    unsplit path; its forward's split, laid out on the device, kept no states)."""
     return cu_seqlens is None or not validation.is_capturing(q.device)
 
 
@@ -381,8 +395,12 @@ def chunk_gated_delta_rule(
         auto_cp: None/True (default None): without ``segment_len`` / ``force_intra_cp``,
             the backend may split long sequences on its own (as ``segment_len``) when
             its cost model predicts a gain; it is asked only when the lengths are on
-            the host (dense input or ``cu_seqlens_cpu``), and inside a CUDA-graph
-            capture only for the bounded split of a dense input. sm90 splits when
+            the host (dense input or ``cu_seqlens_cpu``) or a CUDA-graph capture is on,
+            and inside a capture only for the bounded split: of a dense input, or of a
+            varlen batch on a backend that searches its walks in the kernel (sm90),
+            laid out on the device from the live ``cu_seqlens`` at every replay, its
+            segment length planned from ``cu_seqlens_cpu`` when given, else as if one
+            sequence held nearly all its tokens. sm90 splits when
             (sequences x heads) leave SMs idle: the bounded split into as many segments
             as one wave holds, the exact one (bound 0) into segments of 4096 or 8192 (cost
             model fitted on the H200; ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``).
@@ -396,10 +414,10 @@ def chunk_gated_delta_rule(
             decay reaches the bound (or to its sequence's start); else the exact split
             (three passes and a scan over segment transitions). After a bounded
             forward the backward splits the same way where the backend has
-            ``bwd_warmup`` (sm90), else it is unsplit. Inside CUDA-graph capture only
-            the bounded split of a dense input (``cu_seqlens=None``) runs, ValueError
-            otherwise (the split is planned from the call's lengths, which a varlen
-            replay may change).
+            ``bwd_warmup`` (sm90), else it is unsplit (and inside a CUDA-graph capture
+            of a varlen batch). Inside a capture only the bounded split runs (dense, or
+            varlen on sm90 as under ``auto_cp``), ValueError otherwise (the exact
+            split is planned from the call's lengths, which a replay may change).
         segment_shortcut_bound: what the bounded split may drop (default 2^-9, below
             bf16's resolution; 0: the exact split): a segment's warm-up starts where
             ``exp(sum of g)`` up to the segment is at most the bound, so the state it

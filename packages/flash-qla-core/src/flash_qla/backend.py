@@ -82,6 +82,12 @@ class Kernels(Protocol):
     # for zero), or a kernel searches the same walks itself from ``starts.seq_start``,
     # ``starts.seq_index`` and ``starts.log_bound``; o is stored only from each
     # segment's start; final_state ``[Nseg, Hv, K, V]`` is every segment's.
+    # Optional, with it: ``searches_walks = True``: ``fwd_warmup`` never calls
+    # ``starts(g_cumsum)`` (its kernel searches the walks from ``starts.seq_start`` /
+    # ``seq_index`` / ``log_bound``) and takes ``cu_seqlens_cpu=None``: the core may then
+    # plan the split on the device, from live offsets, inside a CUDA-graph capture of a
+    # varlen batch (``flash_qla.segments``; ``starts.plan`` is then a device plan, empty
+    # segments at its end).
     # Optional: ``keeps_states = True``: the chunk-start states kept from the training
     # forward for the backward instead of recomputed there (the autograd Function with
     # ``save_chunk_states``). ``fwd`` and ``fwd_warmup`` then take ``keep_states: bool``
@@ -99,6 +105,12 @@ class Kernels(Protocol):
     # (each segment's dS sweep starts after its end at the first chunk boundary where the
     # gates decayed below ``ends.log_bound``, from a zero dS, or at its sequence's end
     # from dht); dh0 ``[Nseg, Hv, K, V]`` per segment (None without an initial state).
+
+
+def searches_walks(kernels) -> bool:
+    """Whether ``kernels.fwd_warmup`` searches the bounded split's walks in its kernel
+    (``Kernels.searches_walks``, optional): a split planned on the device will do."""
+    return getattr(kernels, "searches_walks", False) is True
 
 
 def keeps_states(kernels) -> bool:

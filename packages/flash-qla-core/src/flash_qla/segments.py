@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import keeps_states
+from .backend import keeps_states, searches_walks
 from .validation import is_capturing
 
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "WalkEnds", "WalkStarts",
@@ -223,6 +223,45 @@ def _plan_for(bounds: list[int], segment_len: int, device: torch.device) -> _Pla
         _plan.cache_clear()
     _CAPTURED_PLANS[id(plan)] = plan
     return plan
+
+
+@dataclass(frozen=True)
+class _DevicePlan:
+    """What the bounded forward of a backend that searches its walks in the kernel
+    (``Kernels.searches_walks``) reads of a :class:`_Plan`, built on the device from
+    live offsets: inside a CUDA-graph capture of a varlen batch, whose replays may bring
+    other lengths. Its sizes are host-known bounds: ``Smax = ceil(Tt / S) + N`` segment
+    slots, the batch's segments first (as :func:`segment_bounds` lists them), then
+    empty ones at the batch's end."""
+    N: int                  # sequences
+    cu: Tensor              # [Smax+1] int32: segment offsets (non-decreasing)
+    seg_seq_start: Tensor   # [Smax] int32: its sequence's first token (kernel walks; an
+                            # empty segment's own start, so that no walk is searched)
+    seg_seq: Tensor         # [Smax] int32: its sequence
+    last_seg: Tensor        # [N] long: each sequence's last segment (0 if it has none)
+    ends: Tensor            # [N] long: segments per sequence
+    cu_cpu: None = None     # no host offsets
+    any_empty: bool = True  # unknown on the host: the final-state gather always checks
+
+
+def _device_plan(cu_seqlens: Tensor, num_tokens: int, segment_len: int) -> _DevicePlan:
+    """:class:`_DevicePlan` of packed sequences ``cu_seqlens`` ``[N + 1]`` (on the
+    device, ``num_tokens`` = Tt) split every ``segment_len`` tokens: device ops only, no
+    host sync, so a CUDA graph records them and recomputes the plan at every replay."""
+    cu = cu_seqlens.long()                                            # [N+1]
+    N = cu.numel() - 1
+    counts = (cu[1:] - cu[:-1] + segment_len - 1).div(segment_len, rounding_mode="floor")
+    first = torch.zeros(N + 1, dtype=torch.long, device=cu.device)    # [N+1]
+    first[1:] = torch.cumsum(counts, 0)                    # each sequence's first segment
+    slots = -(-num_tokens // segment_len) + N                         # Smax
+    slot = torch.arange(slots, device=cu.device)                      # [Smax]
+    seq = torch.searchsorted(first[1:], slot, right=True).clamp_(max=max(N - 1, 0))
+    live = slot < first[-1]                                           # [Smax]
+    start = torch.where(live, cu[seq] + (slot - first[seq]) * segment_len, cu[-1])
+    # an empty segment's "sequence" starts where it does: a kernel walks nothing for it
+    seq_start = torch.where(live, cu[seq], cu[-1])
+    return _DevicePlan(N, torch.cat([start, cu[-1:]]).int(), seq_start.int(), seq.int(),
+                       (first[1:] - 1).clamp_(min=0), counts)
 
 
 def _scan(M: Tensor, L: Tensor, plan: _Plan, initial_state: Tensor | None,
@@ -414,7 +453,16 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
     :func:`segmented_fwd`; ``shortcut_bound`` in (0, 1). Returns
     ``(g_cumsum, A, o, states, final_state)``: ``states`` the chunk states the backend
     kept for ``bwd_warmup`` with ``keep_states`` (``Kernels.keeps_states``), else None."""
-    plan = _plan_for(bounds, segment_len, q.device)
+    return _warmup_fwd(kernels, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       plan=_plan_for(bounds, segment_len, q.device),
+                       output_final_state=output_final_state, shortcut_bound=shortcut_bound,
+                       keep_states=keep_states)
+
+
+def _warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
+                plan: _Plan | _DevicePlan, output_final_state: bool, shortcut_bound: float,
+                keep_states: bool = False):
+    """:func:`warmup_fwd` on a plan (the host's, or a device plan)."""
     keep = {"keep_states": True} if keep_states and keeps_states(kernels) else {}
     g_cumsum, A, o, final_seg, *kept = kernels.fwd_warmup(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
@@ -477,19 +525,34 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
     (``Kernels.keeps_states``): the bounded split returns in h's place the states its
     backend keeps for ``bwd_warmup`` (the exact split keeps none). Reads ``cu_seqlens``
     on the host (``cu_seqlens_cpu`` avoids the sync). The split is planned on the host
-    from the lengths of the call: inside a CUDA-graph capture only the bounded split
-    of a dense input runs (its lengths are the tensor's shape, so every replay has
-    them; a replay with other ``cu_seqlens`` would reuse a stale split): ValueError for
-    anything else there."""
+    from the lengths of the call, except inside a CUDA-graph capture of a varlen batch
+    (a replay may bring other lengths), where the bounded split is planned on the
+    device (:func:`_device_plan`) on a backend that searches its walks in the kernel
+    (``Kernels.searches_walks``). A capture of anything else (the exact split, or a
+    varlen batch on another backend): ValueError."""
     B, T = q.shape[:2]
-    bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     packed = [_with_batch(x, 1, B * T) for x in (q, k, v, g, beta)]
-    bounded = uses_warmup(kernels, shortcut_bound) and not output_h and bounds[-1] > bounds[0]
-    if is_capturing(q.device) and not (bounded and cu_seqlens is None):
+    capturing = is_capturing(q.device)
+    warm = uses_warmup(kernels, shortcut_bound) and not output_h
+    if capturing and not (warm and (cu_seqlens is None or searches_walks(kernels))):
         raise ValueError(f"segment_len: expected None inside CUDA-graph capture, except "
                          f"for the bounded split (segment_shortcut_bound > 0) of a dense "
-                         f"input (cu_seqlens=None): the split is planned from the call's "
+                         f"input, or of a varlen one on a backend that searches its walks "
+                         f"in the kernel (sm90): the split is planned from the call's "
                          f"lengths, got {segment_len}")
+    if capturing and cu_seqlens is not None:         # live lengths: planned per replay
+        g_cumsum, A, o, states, final_state = _warmup_fwd(
+            kernels, *packed, scale=scale, initial_state=initial_state,
+            plan=_device_plan(cu_seqlens, B * T, segment_len),
+            output_final_state=output_final_state, shortcut_bound=shortcut_bound,
+            keep_states=keep_states)
+        return (_with_batch(g_cumsum, B, T), _with_batch(A, B, T), _with_batch(o, B, T),
+                states, final_state)
+    bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
+    bounded = warm and bounds[-1] > bounds[0]
+    if capturing and not bounded:
+        raise ValueError(f"segment_len: a dense input without tokens is not split inside "
+                         f"CUDA-graph capture, got {segment_len}")
     if bounded:
         g_cumsum, A, o, states, final_state = warmup_fwd(
             kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,

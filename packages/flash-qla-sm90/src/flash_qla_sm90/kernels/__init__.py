@@ -27,6 +27,9 @@ class Sm90Kernels:
     #: the training forward keeps h for the backward where it is chunk_fwd_ws's, in q's
     #: dtype (``forward._keeps_states``; ``flash_qla.backend.Kernels``, optional)
     keeps_states = True
+    #: chunk_fwd_ws searches the bounded split's walks itself and needs no host offsets
+    #: (``flash_qla.backend.Kernels``, optional): a captured varlen batch can be split
+    searches_walks = True
 
     def fwd(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
             output_final_state, output_h, keep_states=False):
