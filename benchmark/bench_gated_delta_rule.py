@@ -365,40 +365,10 @@ def flatten(shape: C.Shape, impl: str, res: dict, args) -> dict:
     return row
 
 
-def availability(peers: list[str], info: dict, args) -> dict:
-    """Reason each peer cannot run at all here, or None."""
-    out = {}
-    versions = info.get("versions", {})
-    for peer in peers:
-        why = None
-        if peer == "unsplit":                 # ours again: runs wherever ours does
-            ours = str(versions.get("ours", "error"))
-            why = f"not installed ({ours})" if ours.startswith("error") else None
-        elif args.device == "cpu":
-            why = "skipped: needs a CUDA GPU (--device cpu runs ours only)"
-        elif peer == "flashqla":
-            if not args.flashqla_path:
-                why = "not installed: pass --flashqla-path"
-            elif not C.flashqla_version(args.flashqla_path):
-                why = f"not installed: no flash_qla/__init__.py under {args.flashqla_path}"
-        elif str(versions.get(peer, "not installed")).startswith("not installed"):
-            why = str(versions.get(peer, "not installed"))
-        elif (
-            peer == "flashinfer"
-            and not info.get("flashinfer_gdn_built")
-            and not args.flashinfer_jit
-        ):
-            why = (
-                "skipped: FlashInfer's GDN module is not prebuilt (its JIT takes > 7.5 min); "
-                "pass --flashinfer-jit to allow it"
-            )
-        out[peer] = why
-    return out
-
-
 def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, scratch: str):
     env = {"device": args.device, "capability": info.get("capability")}
-    avail = availability(peers, info, args)
+    avail = C.peer_availability(peers, info, args.device, args.flashqla_path,
+                                args.flashinfer_jit)
     common_spec = {
         "task": "bench",
         "device": args.device,
@@ -940,10 +910,10 @@ def main(argv=None) -> int:
         return 0
 
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
-    peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",")]
-    bad = [p for p in peers if p not in C.PEERS]
-    if bad:
-        print(f"error: unknown peer(s) {bad}; choose from {list(C.PEERS)}", file=sys.stderr)
+    try:
+        peers = C.parse_peers(args.peers)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     if args.device == "cpu" and args.quick and not args.shapes:
         print("note: --quick is the GPU subset; on the CPU the tiny CPU set runs", file=sys.stderr)

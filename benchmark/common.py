@@ -1205,6 +1205,44 @@ def probe_or_explain(peers: list[str], scratch: str, device: str, what: str) -> 
     return None
 
 
+def parse_peers(text: str) -> list[str]:
+    """``--peers``: a comma-separated list among :data:`PEERS`, or 'none' / '' (no peer).
+    Raises ValueError naming the unknown ones."""
+    peers = [] if text.strip() in ("", "none") else [p.strip() for p in text.split(",")]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise ValueError(f"unknown peer(s) {bad}; choose from {list(PEERS)} or 'none'")
+    return list(dict.fromkeys(peers))
+
+
+def peer_availability(peers: list[str], info: dict, device: str, flashqla_path: str | None,
+                      flashinfer_jit: bool = False) -> dict:
+    """Reason each peer cannot run at all here (from the probe ``info``), or None."""
+    out = {}
+    versions = info.get("versions", {})
+    for peer in peers:
+        why = None
+        if peer == "unsplit":                 # ours again: runs wherever ours does
+            ours = str(versions.get("ours", "error"))
+            why = f"not installed ({ours})" if ours.startswith("error") else None
+        elif device == "cpu":
+            why = "skipped: needs a CUDA GPU (--device cpu runs ours only)"
+        elif peer == "flashqla":
+            if not flashqla_path:
+                why = "not installed: pass --flashqla-path"
+            elif not flashqla_version(flashqla_path):
+                why = f"not installed: no flash_qla/__init__.py under {flashqla_path}"
+        elif str(versions.get(peer, "not installed")).startswith("not installed"):
+            why = str(versions.get(peer, "not installed"))
+        elif peer == "flashinfer" and not info.get("flashinfer_gdn_built") and not flashinfer_jit:
+            why = (
+                "skipped: FlashInfer's GDN module is not prebuilt (its JIT takes > 7.5 min); "
+                "pass --flashinfer-jit to allow it"
+            )
+        out[peer] = why
+    return out
+
+
 def flashqla_version(path: str | None) -> str | None:
     """Version of the FlashQLA at ``path`` read from its sources (it cannot be imported
     in this process: its import name is ours)."""

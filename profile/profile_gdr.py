@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Per-kernel time breakdown of our ``chunk_gated_delta_rule`` beside FLA's (torch.profiler).
+"""Per-kernel time breakdown of our ``chunk_gated_delta_rule`` beside peers' (torch.profiler).
 
 For every configuration of a set (``profile/settings/<set>.csv``: columns hk, hv, layout),
-ours and FLA each run in a fresh worker process (shared code: ``benchmark/common.py``),
+ours and each peer (``--peers``, default FLA) run in a fresh worker process (shared code:
+``benchmark/common.py``),
 warm up (compilation, autotuning), then ``--iters`` calls are profiled. Device time is
 grouped by kernel name, per call; totals and speedups follow, forward and (unless
 ``--skip-bwd``) backward, plus the achieved fraction of the H200 floor of our forward:
@@ -13,6 +14,7 @@ row per kernel) and ``.json``; prints the summary table last.
 
     python profile/profile_gdr.py --set develop
     python profile/profile_gdr.py --set product --skip-bwd
+    python profile/profile_gdr.py --peers fla,flashqla --flashqla-path .offline-gpu/peers/flashqla
     python profile/profile_gdr.py --device cpu      # tiny CPU demo, torch backend
 """
 
@@ -63,7 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peers",
         default="fla",
-        help="'fla' (default) or 'none': the implementation profiled beside ours",
+        help="comma-separated implementations profiled beside ours, among "
+        + ", ".join(C.PEERS)
+        + " (see benchmark --help), or 'none' (default: fla)",
+    )
+    p.add_argument(
+        "--flashqla-path",
+        metavar="DIR",
+        help="directory holding FlashQLA 0.1.3's flash_qla package, for --peers flashqla "
+        "(e.g. .offline-gpu/peers/flashqla; without it that peer is 'not installed')",
+    )
+    p.add_argument(
+        "--flashinfer-jit",
+        action="store_true",
+        help="let FlashInfer JIT-compile its GDN module if it is not prebuilt (more than "
+        "7.5 minutes); otherwise --peers flashinfer is 'skipped' there",
     )
     p.add_argument(
         "--device",
@@ -71,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cuda",
         help="cuda (default; exits with code 2 without a GPU) or cpu: one tiny "
         "configuration (" + ", ".join(CPU_TINY) + ") with our torch backend, aten ops "
-        "by CPU time instead of kernels, FLA skipped",
+        "by CPU time instead of kernels, peers other than unsplit skipped",
     )
     p.add_argument(
         "--iters",
@@ -204,22 +220,24 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
 
     by = {(r["shape"], r["impl"]): r for r in results}
     shapes = list(dict.fromkeys(r["shape"] for r in results))
-    peer = "fla" if any(r["impl"] == "fla" for r in results) else None
+    peers = list(dict.fromkeys(r["impl"] for r in results if r["impl"] != "ours"))
     head = ["config", "tokens", "ours fwd us"]
-    if peer:
-        head += ["FLA fwd us", "vs FLA fwd"]
+    for p in peers:
+        head += [f"{C.SHORT[p]} fwd us", f"vs {C.SHORT[p]} fwd"]
     if on_gpu:
         head += ["floor us", "ours % of floor"]
     if host_walls:
         head += ["ours fwd host wall us", "syncs (first)"]
     if not args.skip_bwd:
-        head += ["ours bwd us"] + (["FLA bwd us", "vs FLA bwd"] if peer else [])
+        head += ["ours bwd us"]
+        for p in peers:
+            head += [f"{C.SHORT[p]} bwd us", f"vs {C.SHORT[p]} bwd"]
         if host_walls:
             head += ["ours bwd host wall us", "bwd syncs (first)"]
     rows = []
     for key in shapes:
         s = C.Shape.from_key(key)
-        o, f_ = by.get((key, "ours"), {}), by.get((key, "fla"), {})
+        o = by.get((key, "ours"), {})
 
         def cell(r, d):
             t = total_us(r.get(d))
@@ -227,13 +245,15 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
                 return f"{t:.1f}"
             return r.get(f"{d}_status") or r.get("status") or "–"
 
-        def ratio(d, f_=f_, o=o):
-            a, b = total_us(f_.get(d)), total_us(o.get(d))
-            return f"{a / b:.2f}x" if a and b else ""
+        def peer_cells(d, key=key, o=o):
+            out = []
+            for p in peers:
+                r = by.get((key, p), {})
+                a, b = total_us(r.get(d)), total_us(o.get(d))
+                out += [cell(r, d), f"{a / b:.2f}x" if a and b else ""]
+            return out
 
-        row = [s.label, str(s.tokens), cell(o, "fwd")]
-        if peer:
-            row += [cell(f_, "fwd"), ratio("fwd")]
+        row = [s.label, str(s.tokens), cell(o, "fwd")] + peer_cells("fwd")
         if on_gpu:
             fl = C.shape_floor(s)
             t = total_us(o.get("fwd"))
@@ -244,7 +264,7 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
         if host_walls:
             row += host_cells(o.get("fwd_host"))
         if not args.skip_bwd:
-            row += [cell(o, "bwd")] + ([cell(f_, "bwd"), ratio("bwd")] if peer else [])
+            row += [cell(o, "bwd")] + peer_cells("bwd")
             if host_walls:
                 row += host_cells(o.get("bwd_host"))
         rows.append(row)
@@ -282,7 +302,7 @@ def render(meta: dict, results: list[dict], args, tag: str) -> str:
     for key in shapes:
         md += [f"## {C.Shape.from_key(key).label}", ""]
         for d in ("fwd", "fwd_train", "bwd"):
-            for impl in ("ours", "fla"):
+            for impl in ["ours"] + peers:
                 r = by.get((key, impl))
                 if not r:
                     continue
@@ -321,11 +341,8 @@ def _set_name(args) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    peers = [] if args.peers in ("none", "") else [p.strip() for p in args.peers.split(",")]
-    if any(p != "fla" for p in peers):
-        print("error: --peers takes 'fla' or 'none'", file=sys.stderr)
-        return 1
     try:
+        peers = C.parse_peers(args.peers)
         shapes = load_set(args)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -336,7 +353,7 @@ def main(argv=None) -> int:
         args.ours_backend = args.ours_backend or "torch"
         print(
             "note: --device cpu: one tiny configuration with our torch backend (not the "
-            f"set '{args.set}'); FLA needs a CUDA GPU and is skipped.",
+            f"set '{args.set}'); peers other than unsplit need a CUDA GPU and are skipped.",
             file=sys.stderr,
         )
     scratch = C.new_scratch("profile-gdr-")
@@ -345,6 +362,11 @@ def main(argv=None) -> int:
         if info is None:
             return 2
         tag = C.gpu_tag(info["device_name"]) if args.device == "cuda" else "torch"
+        avail = C.peer_availability(peers, info, args.device, args.flashqla_path,
+                                    args.flashinfer_jit)
+        if "flashqla" in peers:
+            info.setdefault("versions", {})["flashqla"] = (
+                C.flashqla_version(args.flashqla_path) or "not installed")
         spec = {
             "task": "profile",
             "device": args.device,
@@ -357,26 +379,17 @@ def main(argv=None) -> int:
             "ours_shortcut_bound": args.ours_shortcut_bound,
             "host": args.host,
             "fla_tune_rep_ms": args.fla_tune_rep_ms,
+            "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
             "capability": info.get("capability"),
         }
         results = []
         for shape in C.progress(shapes, desc=f"profile {args.set} ({args.device})"):
             for impl in ["ours"] + peers:
-                if args.device == "cpu" and impl != "ours":
-                    results.append(
-                        {
-                            "impl": impl,
-                            "shape": shape.key,
-                            "status": "skipped",
-                            "reason": "skipped: needs a CUDA GPU",
-                        }
-                    )
-                    continue
-                v = str(info.get("versions", {}).get(impl, ""))
-                if impl != "ours" and v.startswith("not installed"):
-                    results.append(
-                        {"impl": impl, "shape": shape.key, "status": "not installed", "reason": v}
-                    )
+                why = avail.get(impl)
+                if why:
+                    status = "skipped" if why.startswith("skipped") else "not installed"
+                    results.append({"impl": impl, "shape": shape.key, "status": status,
+                                    "reason": why})
                     continue
                 safe = shape.key.replace(":", "-").replace("/", "_").replace("@", "-")
                 res = C.run_worker(

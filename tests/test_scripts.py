@@ -371,3 +371,70 @@ def test_unsplit_peer_is_ours_without_the_split(tmp_path):
     assert "vs unsplit" in (tmp_path / "cpu.md").read_text()
     assert C.static_unsupported("unsplit", C.Shape.from_key("bwd:2/2@1x64"),
                                 {"device": "cpu"}) is None
+
+
+def _summary(md: str) -> list[dict]:
+    """The rows of a profile report's summary table, as {header: cell} dicts."""
+    table = md.split("## Summary")[1].split("\n## ")[0]
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")]
+    split = lambda ln: [c.strip() for c in ln.strip().strip("|").split("|")]  # noqa: E731
+    return [dict(zip(split(lines[0]), split(ln))) for ln in lines[2:]]
+
+
+def test_profile_peers_option_and_summary_columns(tmp_path, capsys):
+    """profile_gdr --peers: a comma-separated list of the benchmark's peers (an unknown one
+    is one clear error, exit 1, before any worker); the summary gets two columns per peer
+    and direction (FLA's as before), each implementation its own per-kernel listing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_gdr", PROFILE)
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    assert C.parse_peers("fla, flashqla,fla") == ["fla", "flashqla"]
+    assert C.parse_peers("none") == [] and C.parse_peers("") == []
+    assert prof.main(["--peers", "fla,flashqlaa", "--out", str(tmp_path)]) == 1
+    assert "unknown peer(s) ['flashqlaa']" in capsys.readouterr().err
+    assert "--flashqla-path" in prof.build_parser().format_help()
+
+    key = "fwd:4/16@1x32768"
+    ks = lambda *us: {f"k{i}": {"us": u, "calls": 1.0} for i, u in enumerate(us)}  # noqa: E731
+    results = [
+        {"impl": "ours", "shape": key, "status": "ok", "fwd": ks(100.0, 50.0), "bwd": ks(300.0)},
+        {"impl": "fla", "shape": key, "status": "ok", "fwd": ks(300.0),
+         "bwd_status": "unsupported: no GVA backward"},
+        {"impl": "flashqla", "shape": key, "status": "ok", "fwd": ks(120.0, 30.0),
+         "bwd": ks(450.0)},
+    ]
+    meta = {"device_name": "NVIDIA H200", "command": "profile_gdr.py", "date": "today",
+            "versions": {"ours": "0.2", "flashqla": "0.1.3"}}
+    for peers, out in (("fla", tmp_path / "fla"), ("fla,flashqla", tmp_path / "both")):
+        args = prof.build_parser().parse_args(["--out", str(out), "--peers", peers])
+        args.iters = 10
+        keep = ["ours"] + C.parse_peers(peers)
+        prof.render(meta, [r for r in results if r["impl"] in keep], args, "H200")
+    (fla,) = _summary((tmp_path / "fla" / "develop-H200.md").read_text())
+    assert list(fla) == ["config", "tokens", "ours fwd us", "FLA fwd us", "vs FLA fwd",
+                         "floor us", "ours % of floor", "ours bwd us", "FLA bwd us",
+                         "vs FLA bwd"]       # the default's columns, as before
+    md = (tmp_path / "both" / "develop-H200.md").read_text()
+    (row,) = _summary(md)
+    assert (row["FLA fwd us"], row["vs FLA fwd"]) == ("300.0", "2.00x")
+    assert (row["FlashQLA-0.1.3 fwd us"], row["vs FlashQLA-0.1.3 fwd"]) == ("150.0", "1.00x")
+    assert (row["FLA bwd us"], row["vs FLA bwd"]) == ("unsupported: no GVA backward", "")
+    assert (row["FlashQLA-0.1.3 bwd us"], row["vs FlashQLA-0.1.3 bwd"]) == ("450.0", "1.50x")
+    assert "**FlashQLA (peer) fwd**: 150.0 us per call, 2 kernels" in md
+    assert "FLA bwd: unsupported: no GVA backward" in md
+
+
+@needs_ours
+def test_profile_cpu_with_several_peers(tmp_path):
+    """--device cpu --peers unsplit,flashqla: unsplit (ours, auto_cp=False) is profiled on
+    the CPU beside ours, FlashQLA 0.1.3 is skipped there; both get summary columns."""
+    p = _run([PROFILE, "--device", "cpu", "--out", str(tmp_path), "--peers",
+              "unsplit,flashqla", "--skip-bwd"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "cpu-torch.json").read_text())
+    status = {r["impl"]: r["status"] for r in data["results"]}
+    assert status == {"ours": "ok", "unsplit": "ok", "flashqla": "skipped"}, status
+    (row,) = _summary((tmp_path / "cpu-torch.md").read_text())
+    assert row["vs unsplit fwd"].endswith("x") and row["FlashQLA-0.1.3 fwd us"] == "skipped"
