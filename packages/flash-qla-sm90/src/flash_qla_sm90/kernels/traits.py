@@ -103,9 +103,10 @@ PREPARE_BLOCKED = True
 
 #: CTAs per SM the blocked prepare kernel's registers leave room for (its launch bound):
 #: 6 -> 80 registers, 16 bytes spilled; uncapped it takes 113 (4 CTAs per SM), at 8 it
-#: spills 108 bytes (ptxas, sm_90a, bf16; ``tools/sass_report.py``). Its CTAs are a chain
-#: of short dependent phases (load, five small GEMMs, a substitution), so more of them
-#: per SM hide each other's latency.
+#: spills 108 bytes (ptxas, sm_90a, bf16; ``tools/sass_report.py``). H200, 2026-12-01
+#: (``tune_chunk_fwd.py``, 16/16 1x32768 / 4/16 1x32768 / 16/32 8x4096, ms): 6 CTAs
+#: 0.128 / 0.126 / 0.251, uncapped 0.143 / 0.140 / 0.274, 8 CTAs 0.138 / 0.139 / 0.275;
+#: the two-accumulator kernel before it (92 registers, 5 CTAs) 0.131 / 0.128 / 0.252.
 PREPARE_MIN_CTAS_PER_SM = 6
 
 #: Prepare kernel cost per (chunk, value head), microseconds over the whole GPU (the
