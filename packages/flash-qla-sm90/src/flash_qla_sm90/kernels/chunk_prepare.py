@@ -22,10 +22,12 @@ grid, so that the 128 threads run two substitutions at once (one column per thre
 instead of leaving half of them idle.
 """
 
+import functools
+
 import tilelang
 import tilelang.language as T
 
-from .traits import CHUNK, PASS_CONFIGS, PREPARE_THREADS, TARGET
+from .traits import CHUNK, PASS_CONFIGS, PREPARE_MIN_CTAS_PER_SM, PREPARE_THREADS, TARGET
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
@@ -157,10 +159,13 @@ BLOCK = 16
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_prepare_blocked_kernel(dtype: str, K: int):
+def chunk_prepare_blocked_kernel(dtype: str, K: int,
+                                 min_ctas_per_sm: int = PREPARE_MIN_CTAS_PER_SM):
     """The prepare kernel with a blocked inverse on the tensor cores (same arguments and
     outputs as :func:`chunk_prepare_kernel`; one CTA of 128 threads per (chunk, value
-    head)). With N = N_d + N_o (N_d: the four 16 x 16 diagonal blocks, N_o: the blocks
+    head); ``min_ctas_per_sm`` caps its registers at 65536 / (128 x min_ctas_per_sm)
+    so that that many CTAs fit on an SM). With N = N_d + N_o (N_d: the four 16 x 16
+    diagonal blocks, N_o: the blocks
     below them) and block lower-triangular algebra:
 
         D = (I + N_d)^-1             four 16 x 16 substitutions in fp32 (CUDA cores)
@@ -196,16 +201,19 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
         A: T.Tensor((Tt, Hv, C), dtype),
     ):
         with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
+            T.annotate_min_blocks_per_sm(min_ctas_per_sm)
             k_shared = T.alloc_shared((C, K), dtype)
-            kkt_frag = T.alloc_fragment((C, C), f32)
+            # the one [C, C] fp32 accumulator: K K^T, M, I + M^2, X, then A = X - M X
+            # (with a second live one, X beside M X, the register cap of 6 CTAs per SM
+            # spilled 556 bytes; with one: 16)
+            acc_frag = T.alloc_fragment((C, C), f32)
             nd_shared = T.alloc_shared((C, B), f32)      # row i: N[i, blk(i) .. blk(i)+B)
             no_shared = T.alloc_shared((C, C), f16)      # N_o
             d_shared = T.alloc_shared((C, C), f16)       # D (block diagonal)
             m_shared = T.alloc_shared((C, C), f16)       # M = D N_o
+            m_neg_shared = T.alloc_shared((C, C), f16)   # -M
             m2_shared = T.alloc_shared((C, C), f16)      # I + M^2
             x_shared = T.alloc_shared((C, C), f16)       # X, as the last product's operand
-            prod_frag = T.alloc_fragment((C, C), f32)    # M, M^2, then M X
-            x_frag = T.alloc_fragment((C, C), f32)       # X in fp32
             beta_shared = T.alloc_shared((C,), f32)
             g_shared = T.alloc_shared((C,), f32)
             d_col = T.alloc_local((B,), f32)             # one column of a D block
@@ -227,14 +235,14 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
                     g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
                 T.copy(k[t0:t0 + C, hk, :], k_shared)
                 T.clear(d_shared)
-                T.gemm(k_shared, k_shared, kkt_frag, transpose_B=True, clear_accum=True)
+                T.gemm(k_shared, k_shared, acc_frag, transpose_B=True, clear_accum=True)
                 # N by blocks; rows past the end are selected to 0 (NaN-safe)
                 for i, j in T.Parallel(C, C):
                     if i // B == j // B:
                         nd_shared[i, j % B] = T.if_then_else(
-                            (i > j) & (i < rows), beta_shared[i] * kkt_frag[i, j], 0.0)
+                            (i > j) & (i < rows), beta_shared[i] * acc_frag[i, j], 0.0)
                     no_shared[i, j] = T.cast(T.if_then_else(
-                        (i // B > j // B) & (i < rows), beta_shared[i] * kkt_frag[i, j],
+                        (i // B > j // B) & (i < rows), beta_shared[i] * acc_frag[i, j],
                         0.0), f16)
 
                 tx = T.get_thread_binding()
@@ -256,22 +264,30 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
                     for i in T.unroll(B):
                         d_shared[blk + i, tx] = T.cast(d_col[i], f16)
 
-                T.gemm(d_shared, no_shared, prod_frag, clear_accum=True)          # M = D N_o
-                T.copy(prod_frag, m_shared)
-                T.gemm(m_shared, m_shared, prod_frag, clear_accum=True)           # M^2
+                T.gemm(d_shared, no_shared, acc_frag, clear_accum=True)           # M = D N_o
                 for i, j in T.Parallel(C, C):
-                    m2_shared[i, j] = T.cast(
-                        T.if_then_else(i == j, 1.0, 0.0) + prod_frag[i, j], f16)
-                T.gemm(m2_shared, d_shared, x_frag, clear_accum=True)             # X
-                T.copy(x_frag, x_shared)
-                T.gemm(m_shared, x_shared, prod_frag, clear_accum=True)           # M X
+                    m_shared[i, j] = T.cast(acc_frag[i, j], f16)
+                    m_neg_shared[i, j] = T.cast(-acc_frag[i, j], f16)
+                for i, j in T.Parallel(C, C):
+                    acc_frag[i, j] = T.if_then_else(i == j, 1.0, 0.0)
+                T.gemm(m_shared, m_shared, acc_frag)                              # I + M^2
+                T.copy(acc_frag, m2_shared)
+                T.gemm(m2_shared, d_shared, acc_frag, clear_accum=True)           # X
+                T.copy(acc_frag, x_shared)
+                T.gemm(m_neg_shared, x_shared, acc_frag)                          # X - M X
                 for i, j in T.Parallel(C, C):
                     if i < rows:
-                        A[t0 + i, h, j] = T.cast(x_frag[i, j] - prod_frag[i, j], dtype)
+                        A[t0 + i, h, j] = T.cast(acc_frag[i, j], dtype)
 
     return chunk_prepare_blocked
 
 
 #: The prepare kernels by name (tuning: ``benchmark/tune_chunk_fwd.py`` times each);
 #: ``forward.prepare_kernel_name`` says which one ``traits.PREPARE_BLOCKED`` selects.
-PREPARE_KERNELS = {"prepare": chunk_prepare_kernel, "prepare-blocked": chunk_prepare_blocked_kernel}
+PREPARE_KERNELS = {
+    "prepare": chunk_prepare_kernel,
+    "prepare-blocked": chunk_prepare_blocked_kernel,
+    # the blocked kernel under other register caps (tuning only)
+    "prepare-blocked-uncapped": functools.partial(chunk_prepare_blocked_kernel, min_ctas_per_sm=1),
+    "prepare-blocked-8ctas": functools.partial(chunk_prepare_blocked_kernel, min_ctas_per_sm=8),
+}

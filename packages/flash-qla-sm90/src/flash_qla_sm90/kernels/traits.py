@@ -101,6 +101,14 @@ FWD_AUX_WARPGROUP = True
 #: kernel's error grows past beta |k|^2 = 1, to 1.1e-2 of A at 1.9 on near-parallel keys).
 PREPARE_BLOCKED = True
 
+#: CTAs per SM the blocked prepare kernel's registers leave room for (its launch bound):
+#: 6 -> 80 registers, 16 bytes spilled; uncapped it takes 113 (4 CTAs per SM), at 8 it
+#: spills 108 bytes (ptxas, sm_90a, bf16; ``tools/sass_report.py``). H200, 2026-12-01
+#: (``tune_chunk_fwd.py``, 16/16 1x32768 / 4/16 1x32768 / 16/32 8x4096, ms): 6 CTAs
+#: 0.128 / 0.126 / 0.251, uncapped 0.143 / 0.140 / 0.274, 8 CTAs 0.138 / 0.139 / 0.275;
+#: the two-accumulator kernel before it (92 registers, 5 CTAs) 0.131 / 0.128 / 0.252.
+PREPARE_MIN_CTAS_PER_SM = 6
+
 #: Prepare kernel cost per (chunk, value head), microseconds over the whole GPU (the
 #: blocked kernel on the H200, 2026-11-30, tune_chunk_fwd.py: 0.0153-0.0167 us on
 #: 16/32 8x4096, 16/16 4x8192, 2/8 1x32768).
