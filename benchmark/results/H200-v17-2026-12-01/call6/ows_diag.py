@@ -1,10 +1,17 @@
-"""Where the output-warpgroup forward's o differs from the default ws kernel's (v17 call 6)."""
+"""Where the output-warpgroup forward's o differs from the default ws kernel's (v17 call 6).
+
+Run on a GPU from the repository root, branch ``next/fwd-output-warpgroup`` (the kernels
+compiled into the offline bundle): ``python3 <this file>``; prints, per case and per
+64-token chunk x value head, the largest difference between the two kernels' o.
+"""
 import sys
+
 import torch
+
 sys.path.insert(0, ".")
-from tests.sm90.test_forward_gpu import Case, make_inputs
 import flash_qla
 from flash_qla_sm90.kernels import traits
+from tests.sm90.test_forward_gpu import Case, make_inputs
 
 traits.FWD_TRANSPOSED = True
 traits.FWD_AUX_WARPGROUP = True
