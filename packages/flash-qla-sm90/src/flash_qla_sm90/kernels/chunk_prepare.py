@@ -165,15 +165,15 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int,
     outputs as :func:`chunk_prepare_kernel`; one CTA of 128 threads per (chunk, value
     head); ``min_ctas_per_sm`` caps its registers at 65536 / (128 x min_ctas_per_sm)
     so that that many CTAs fit on an SM). With N = N_d + N_o (N_d: the four 16 x 16
-    diagonal blocks, N_o: the blocks
-    below them) and block lower-triangular algebra:
+    diagonal blocks, N_o: the blocks below them) and block lower-triangular algebra:
 
         D = (I + N_d)^-1             four 16 x 16 substitutions in fp32 (CUDA cores)
         M = D N_o                    strictly block-lower, so M^4 = 0 and
         A = (I + M)^-1 D = (I - M)(I + M^2) D = X - M X,   X = (I + M^2) D
 
     The four 64 x 64 x 64 products run on WGMMA with fp16 operands and fp32
-    accumulation (X - M X is formed from X's fp32 accumulator). fp16 keeps 11 mantissa
+    accumulation, all into one accumulator (I + M^2 onto the identity, X - M X onto X's
+    fp32 values, with -M as the operand). fp16 keeps 11 mantissa
     bits: with beta |k|^2 <= 1 (L2-normalised keys, beta in (0, 1), the GDN setting) the
     error of A is at or below the bf16 rounding of the stored A, near-parallel keys
     included (tests/sm90/test_prepare_algorithm.py emulates every rounding). Towards the
