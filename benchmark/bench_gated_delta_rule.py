@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cuda", "cpu"],
         default="cuda",
         help="cuda (default; exits with code 2 when there is no GPU) or cpu: a "
-        "tiny set (" + ", ".join(C.CPU_TINY) + ") with our torch backend, peers "
-        "skipped",
+        "tiny set (" + ", ".join(C.CPU_TINY) + ") with our torch backend; of the "
+        "peers only 'unsplit' runs there",
     )
     inp = p.add_argument_group("inputs")
     inp.add_argument(
@@ -718,7 +718,7 @@ def render(meta: dict, rows: dict, out_dir: str, tag: str, tol: float) -> str:
     on_gpu = meta.get("device_name") not in (None, "cpu")
     timing = _timing_line(meta) if on_gpu else (
         "- timing: CPU demo with our torch backend: median wall-clock ms of a few calls "
-        "(no CUDA graphs, no peers, no H200 floor); it shows the pipeline, not performance"
+        "(no CUDA graphs, no GPU peers, no H200 floor); it shows the pipeline, not performance"
     )
     text, md = (
         [],

@@ -383,7 +383,8 @@ def main(argv=None) -> int:
             "capability": info.get("capability"),
         }
         results = []
-        for shape in C.progress(shapes, desc=f"profile {args.set} ({args.device})"):
+        label = "cpu demo" if args.device == "cpu" else args.set
+        for shape in C.progress(shapes, desc=f"profile {label} ({args.device})"):
             for impl in ["ours"] + peers:
                 why = avail.get(impl)
                 if why:
