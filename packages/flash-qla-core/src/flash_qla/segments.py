@@ -541,23 +541,19 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
                          f"in the kernel (sm90): the split is planned from the call's "
                          f"lengths, got {segment_len}")
     if capturing and cu_seqlens is not None:         # live lengths: planned per replay
+        plan = _device_plan(cu_seqlens, B * T, segment_len)
+    else:
+        bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
+        bounded = warm and bounds[-1] > bounds[0]
+        if capturing and not bounded:
+            raise ValueError(f"segment_len: a dense input without tokens is not split "
+                             f"inside CUDA-graph capture, got {segment_len}")
+        plan = _plan_for(bounds, segment_len, q.device) if bounded else None
+    if plan is not None:                             # the bounded split, one pass
         g_cumsum, A, o, states, final_state = _warmup_fwd(
-            kernels, *packed, scale=scale, initial_state=initial_state,
-            plan=_device_plan(cu_seqlens, B * T, segment_len),
+            kernels, *packed, scale=scale, initial_state=initial_state, plan=plan,
             output_final_state=output_final_state, shortcut_bound=shortcut_bound,
             keep_states=keep_states)
-        return (_with_batch(g_cumsum, B, T), _with_batch(A, B, T), _with_batch(o, B, T),
-                states, final_state)
-    bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
-    bounded = warm and bounds[-1] > bounds[0]
-    if capturing and not bounded:
-        raise ValueError(f"segment_len: a dense input without tokens is not split inside "
-                         f"CUDA-graph capture, got {segment_len}")
-    if bounded:
-        g_cumsum, A, o, states, final_state = warmup_fwd(
-            kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
-            output_final_state=output_final_state, segment_len=segment_len,
-            shortcut_bound=shortcut_bound, keep_states=keep_states)
         return (_with_batch(g_cumsum, B, T), _with_batch(A, B, T), _with_batch(o, B, T),
                 states, final_state)                     # states in the backend's packing
     g_cumsum, A, o, h, final_state = segmented_fwd(
