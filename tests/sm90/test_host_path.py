@@ -249,6 +249,37 @@ def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, mo
     assert count.ops["aten._to_copy"] == (2 if in_dtype else 4), count.ops
 
 
+def test_gva_sum_reads_the_kernels_group_major_layout(sm90_without_launches, monkeypatch):
+    """``chunk_bwd_intra_kernel`` writes value head hv = hk * G + g's dq, dk at
+    ``[g, :, hk]`` of a ``[G, Tt, Hk, K]`` buffer; ``chunk_grads`` sums over g. A stand-in
+    launch writes known per-value-head rows there by that rule: the returned dq, dk are
+    each q/k head's sum over its own value heads (GVA 1:3, so a wrong group order shows)."""
+    import flash_qla
+    from flash_qla_sm90.kernels import chunk_bwd_intra
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, Hk, Hv, K = 1, 128, 2, 6, 128
+    G = Hv // Hk
+    per_head = {n: torch.randn(B * T, Hv, K, generator=gen).bfloat16() for n in ("dq", "dk")}
+
+    def fill(*args):
+        for n, buf in zip(("dq", "dk"), args[13:15]):
+            assert buf.shape == (G, B * T, Hk, K), buf.shape
+            for hv in range(Hv):
+                buf[hv % G, :, hv // G] = per_head[n][:, hv].to(buf.dtype)
+
+    monkeypatch.setattr(chunk_bwd_intra, "launcher", lambda builder, *static: fill)
+    (q, k, v, g, beta, h0), do, dht = _inputs(B, T, Hv, requires_grad=False)
+    q, k = q[:, :, :Hk].contiguous(), k[:, :, :Hk].contiguous()
+    g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(q, k, v, g, beta,
+                                                                initial_state=h0)
+    dq, dk, *_ = flash_qla.chunk_gated_delta_rule_bwd(q, k, v, g_cumsum, beta, A, do, dht,
+                                                      initial_state=h0)
+    for name, got in (("dq", dq), ("dk", dk)):
+        want = per_head[name].float().view(B, T, Hk, G, K).sum(3)     # [B, T, Hk, K]
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.01, msg=name)
+
+
 _INDEX_OPS = ("aten.searchsorted", "aten.cumsum")     # chunk_layout._build's, on the device
 
 
