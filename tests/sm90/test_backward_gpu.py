@@ -263,3 +263,23 @@ def test_intra_kernel_matches_torch_chunk_grads(case, states):
     for name, a, b in zip(tol, ours, ref[:5]):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_l2(a.float(), b.float()) < tol[name], name
+
+
+@pytest.mark.parametrize("G, M", [(2, 4096), (4, 1000), (8, 33), (3, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_group_sum_kernel_matches_fp64_sum(G, M, dtype):
+    """``group_sum_kernel`` (the GVA sum of the per-value-head dq / dk) against the fp64
+    sum over the group of the same inputs: within one rounding of the result to
+    ``dtype`` (it accumulates in fp32), M not a multiple of its 32-row tile, and
+    deterministic."""
+    from flash_qla_sm90.kernels.chunk_bwd_intra import _sum_groups
+
+    gen = torch.Generator(device="cuda").manual_seed(G * 1000 + M)
+    x = torch.randn(G, M, 3, 128, device="cuda", generator=gen).to(dtype)   # [G, Tt, Hk, K]
+    got = _sum_groups(x)
+    want = x.double().sum(dim=0)
+    assert got.dtype == dtype and got.shape == (M, 3, 128)
+    eps = torch.finfo(dtype).eps
+    assert torch.all((got.double() - want).abs() <= eps * want.abs() + 1e-5), \
+        (got.double() - want).abs().max()
+    assert torch.equal(got, _sum_groups(x))

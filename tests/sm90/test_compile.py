@@ -259,6 +259,18 @@ def test_backward_intra_kernel_compiles_to_wgmma(dtype, qk_grads_in_dtype):
     assert re.search(rf"{ctype}\*\s*__restrict__\s+dq\b", src), src[:2000]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_group_sum_kernel_reads_and_writes_16_bytes(dtype):
+    """The GVA sum is a bandwidth kernel: every load of the per-head grads and every
+    store of the sum moves 16 bytes (8 elements) per thread, accumulated in fp32."""
+    from flash_qla_sm90.kernels.chunk_bwd_intra import group_sum_kernel
+
+    src = _source(group_sum_kernel, dtype, 128)
+    assert re.search(r"\*\(uint4\*\)\(x_local_cast", src), src[:3000]
+    assert re.search(r"\*\(uint4\*\)\(out \+", src), src[:3000]
+    assert "float acc[" in src
+
+
 def test_intra_kernel_reductions_are_batched():
     """chunk_bwd_intra exchanges every row / column sum a thread owns in one AllReduce
     (one barrier pair), not one per element."""

@@ -460,9 +460,53 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
             dg.view(B, T, Hv))
 
 
+
+#: Rows of ``[Tt * Hk, K]`` per CTA of :func:`group_sum_kernel` (128 threads, 32 elements
+#: each: four 16-byte loads per value head of the group).
+GROUP_SUM_ROWS = 32
+
+
+@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
+def group_sum_kernel(dtype: str, K: int):
+    """Build the GVA sum of the per-value-head dq / dk: ``out[m, :] = sum_g x[g, m, :]``
+    over the ``G`` value heads of each q/k head (rows m = token * Hk + q/k head), read
+    once and accumulated in fp32, written once in ``dtype``: one pass at the DRAM rate
+    (torch's reduction over this outer dimension ran at ~1.5 TB/s, v18 call 2).
+
+    Kernel arguments: x ``[G, M, K]`` dtype (``chunk_bwd_intra_kernel``'s group-major
+    dq or dk, M = Tt * Hk); out ``[M, K]`` dtype."""
+    G, M = T.dynamic("G, M")
+    BM = GROUP_SUM_ROWS
+
+    @T.prim_func
+    def group_sum(x: T.Tensor((G, M, K), dtype), out: T.Tensor((M, K), dtype)):
+        with T.Kernel(T.ceildiv(M, BM), threads=128) as bx:
+            acc = T.alloc_fragment((BM, K), "float32")
+            T.clear(acc)
+            for g in T.serial(G):
+                for i, j in T.Parallel(BM, K):
+                    if bx * BM + i < M:
+                        acc[i, j] += x[g, bx * BM + i, j]
+            for i, j in T.Parallel(BM, K):
+                if bx * BM + i < M:
+                    out[bx * BM + i, j] = acc[i, j]
+
+    return group_sum
+
+
 def _sum_groups(dx: torch.Tensor) -> torch.Tensor:
-    """``[G, Tt, Hk, K]`` -> ``[Tt, Hk, K]``: the GVA sum over the value heads of each q/k
-    head, over the outermost dimension (contiguous rows: torch's reduction reads them
-    vectorised; the per-group ``[Tt, Hk, G, K]`` layout ran at 35-70% of the DRAM floor,
-    v17 call 1). Deterministic; bf16 / fp16 inputs accumulate in fp32."""
-    return dx[0] if dx.shape[0] == 1 else dx.sum(dim=0)
+    """``[G, Tt, Hk, K]`` -> ``[Tt, Hk, K]`` in dx's dtype: the GVA sum over the value
+    heads of each q/k head, deterministic, accumulated in fp32 (:func:`group_sum_kernel`
+    for bf16 / fp16 per-head grads; fp32 ones, ``traits.BWD_GVA_GRADS_IN_DTYPE`` off, sum
+    in torch)."""
+    from .forward import _DTYPE_NAMES
+
+    G, Tt, Hk, K = dx.shape
+    if G == 1:
+        return dx[0]
+    if dx.dtype == torch.float32 or Tt * Hk == 0:
+        return dx.sum(dim=0)
+    out = torch.empty(Tt, Hk, K, dtype=dx.dtype, device=dx.device)
+    launcher(group_sum_kernel, _DTYPE_NAMES[dx.dtype], K)(dx.view(G, Tt * Hk, K),
+                                                           out.view(Tt * Hk, K))
+    return out

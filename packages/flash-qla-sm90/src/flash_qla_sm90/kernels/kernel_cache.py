@@ -42,7 +42,7 @@ def variants(experimental: bool = False):
     from . import traits
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
     from .chunk_bwd_dh_ws import chunk_bwd_dh_ws_kernel
-    from .chunk_bwd_intra import chunk_bwd_intra_kernel
+    from .chunk_bwd_intra import chunk_bwd_intra_kernel, group_sum_kernel
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_fwd_ws import chunk_fwd_ws_kernel
     from .chunk_prepare import PREPARE_KERNELS
@@ -95,6 +95,8 @@ def variants(experimental: bool = False):
                 for states_in_dtype in (False, True):           # True: h, dS1 in dtype
                     yield chunk_bwd_intra_kernel, (dtype, K, V, *static_flags(
                         qk_in_dtype, states_in_dtype))
+            if traits.BWD_GVA_GRADS_IN_DTYPE:                   # the GVA sum of dq, dk
+                yield group_sum_kernel, (dtype, K)
 
 
 def _transposed_builders(K: int, V: int, experimental: bool) -> tuple:
