@@ -439,7 +439,7 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     states_in_dtype = h.dtype == dt and dS1.dtype == dt      # backward.states_in_dtype
     state_dtype = dt if states_in_dtype else torch.float32
     G = Hv // Hk
-    dq = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)   # value head hk * G + g at [g, :, hk]
+    dq = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)  # head hk * G + g at [g, :, hk]
     dk = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)
     dv = alloc(Tt, Hv, V, dtype=dt, device=q.device)
     dbeta = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
