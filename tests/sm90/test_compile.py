@@ -126,8 +126,9 @@ def test_aux_warpgroup_forward_never_serialises_its_roles():
     src = _source(chunk_fwd_ws_kernel, "bfloat16", 128, 128, True, True)
     assert src.count("tl::wgmma_rs<") >= 5
     assert src.count("__syncthreads()") == 1
-    assert src.count("].arrive()") == 2                 # full (aux), empty (state) slots
-    assert "cp_async" in src                            # the aux's tiles load asynchronously
+    assert src.count("].arrive()") == 4      # full (aux), empty (state), loaded (aux: the
+    #                                              first chunk's and the loop's)
+    assert "tma_load" in src and "cp_async" not in src  # the aux's tiles arrive by TMA
 
 
 def test_states_only_forward_skips_o():

@@ -11,14 +11,17 @@ head), roles fixed by ``T.ws``:
       O^T = scale (O^T E + U^T P^T),  S1^T = exp(gam_C) S0^T + (U^T D) K;
 
 - warpgroup 2 (aux): prepares chunk c into slot c % SLOTS while the state warpgroups
-  work on an earlier chunk: its q, k, v, A tiles arrive by cp.async issued one chunk
-  ahead (rows past the sequence's end are zeroed in shared memory once they land, so NaN
-  in padding never enters), then Q K^T on the tensor cores, the masked, gated
+  work on an earlier chunk: its q, k, v, A tiles arrive by TMA issued one chunk ahead
+  by one elected thread (rows past the sequence's end are zeroed in shared memory once
+  they land, so NaN in padding never enters), then Q K^T on the tensor cores, the masked, gated
   Ag = (G * A) diag(beta) (in place of A) and P = G * tril(Q K^T), and the per-row
   factors exp(gam), exp(gam_C - gam).
 
 The roles meet only on per-slot mbarriers: "full" (aux -> state, 128 arrivals) and
-"empty" (state -> aux, 256). Nothing state-independent (loads, gate exponentials, masks,
+"empty" (state -> aux, 256); "loaded" (TMA -> aux, 128 arrivals and the tiles' bytes).
+The TMA loads replaced per-thread cp.async (~260 address and predicate instructions
+per chunk on the aux warpgroup, the role the state waited for: 3.71 -> 3.33 us per
+chunk, perf-notes v18). Nothing state-independent (loads, gate exponentials, masks,
 Q K^T) is left on the state chain, and the two state warpgroups never synchronise with
 each other. TileLang's automatic synchronisation is off for this kernel: it would put
 CTA-wide barriers between the role blocks and serialise them.
@@ -97,21 +100,20 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     f32 = "float32"
     h_dtype = dtype if h_in_dtype else f32
 
-    #: cp.async commit groups per chunk (q's tiles only when o is computed)
-    GROUPS = 3 if states_only else 4
-
     @T.macro
-    def load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, t0, hk, h, c):
-        """cp.async the 64-row tiles of chunk ``c`` (first token ``t0``) into slot
-        c % SLOTS once the state warpgroups have released it (chunk c - SLOTS): GROUPS
-        commit groups, waited for with ``T.ptx_wait_group``."""
+    def load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, t0, hk, h, c):
+        """TMA the 64-row tiles of chunk ``c`` (first token ``t0``) into slot c % SLOTS
+        once the state warpgroups have released it (chunk c - SLOTS); one elected aux
+        thread issues them, every aux thread arrives on ``loaded[s]`` (128 arrivals plus
+        the tiles' bytes), waited for with :func:`wait_loaded`."""
         s = c % SLOTS
         T.barrier_wait(empty[s], (c // SLOTS) % 2 ^ 1)
         if not states_only:
-            T.async_copy(q[t0:t0 + C, hk, :], q_s[s, :, :])
-        T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
-        T.async_copy(v[t0:t0 + C, h, :], v_s[s, :, :])
-        T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
+            T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(k[t0:t0 + C, hk, :], k_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(v[t0:t0 + C, h, :], v_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
+        T.barrier_arrive(loaded[s])
 
     @T.macro
     def store_o(o, ot, scale, t0, rows, h):
@@ -197,11 +199,13 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             # slot s of chunk c: aux -> state "full" (128 arrivals), state -> aux "empty"
             full = T.alloc_barrier([128] * SLOTS)
             empty = T.alloc_barrier([256] * SLOTS)
+            loaded = T.alloc_barrier([128] * SLOTS)           # TMA -> aux, per slot
 
             with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
                 T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
-                    load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, bos, hk, h, 0)
+                    load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, bos, hk, h,
+                               0)
                     fetch_gates(g_cumsum, beta, h, bos, last, gam_next, gam_last_next,
                                 beta_next)
                 for c in T.serial(chunks):
@@ -210,11 +214,9 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     sa = c % SLOTS
                     # chunk c + 1's copies fly while chunk c is prepared
                     if c + 1 < chunks:
-                        load_chunk(q, k, v, A, empty, q_s, k_s, v_s, ag_s, a0 + C, hk, h,
-                                   c + 1)
-                        T.ptx_wait_group(GROUPS)              # chunk c's groups done
-                    else:
-                        T.ptx_wait_group(0)
+                        load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, a0 + C,
+                                   hk, h, c + 1)
+                    T.barrier_wait(loaded[sa], (c // SLOTS) % 2)  # chunk c's tiles landed
                     # rows past the end (next sequence, padding: maybe NaN) zeroed
                     if a_rows < C:
                         for i, j in T.Parallel(C, K):
