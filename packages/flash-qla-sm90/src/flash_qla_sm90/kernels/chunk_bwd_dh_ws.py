@@ -16,7 +16,7 @@ roles fixed by ``T.ws`` and meeting only on per-slot mbarriers (as in ``chunk_fw
 
   ``dO^T Qe`` does not need dS: it is issued with the first two products and waited for
   last.
-- warpgroup 2 (aux): chunk c's q, k, dO, A tiles by cp.async into slot r % SLOTS (r-th
+- warpgroup 2 (aux): chunk c's q, k, dO, A tiles by TMA into slot r % SLOTS (r-th
   chunk of the walk) one chunk ahead; rows past the end of the sequence zeroed in shared
   memory (NaN in padding never meets a GEMM); the gate factors; Q K^T on the tensor cores;
   then Ps = scale * G * tril(Q K^T), Ag = (G * A) diag(beta) in place of A, and Qe in
@@ -55,15 +55,18 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
     ds1_dtype = dtype if ds1_in_dtype else f32
 
     @T.macro
-    def load_chunk(q, k, do, A, empty, q_s, k_s, do_s, ag_s, t0, hk, h, r):
-        """cp.async the 64-row tiles of the walk's r-th chunk (first token ``t0``) into
-        slot r % SLOTS once the state warpgroups have released it: four commit groups."""
+    def load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s, t0, hk, h, r):
+        """TMA the 64-row tiles of the walk's r-th chunk (first token ``t0``) into slot
+        r % SLOTS once the state warpgroups have released it; one elected aux thread
+        issues them, every aux thread arrives on ``loaded[s]`` (128 arrivals plus the
+        tiles' bytes)."""
         s = r % SLOTS
         T.barrier_wait(empty[s], (r // SLOTS) % 2 ^ 1)
-        T.async_copy(q[t0:t0 + C, hk, :], q_s[s, :, :])
-        T.async_copy(k[t0:t0 + C, hk, :], k_s[s, :, :])
-        T.async_copy(do[t0:t0 + C, h, :], do_s[s, :, :])
-        T.async_copy(A[t0:t0 + C, h, :], ag_s[s, :, :])
+        T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(k[t0:t0 + C, hk, :], k_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(do[t0:t0 + C, h, :], do_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
+        T.barrier_arrive(loaded[s])
 
     @T.prim_func
     def chunk_bwd_dh_ws(
@@ -124,11 +127,12 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
             # state -> aux "empty" (256)
             full = T.alloc_barrier([128] * SLOTS)
             empty = T.alloc_barrier([256] * SLOTS)
+            loaded = T.alloc_barrier([128] * SLOTS)           # TMA -> aux, per slot
 
             with T.ws(2):                                     # aux
                 T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
-                    load_chunk(q, k, do, A, empty, q_s, k_s, do_s, ag_s,
+                    load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s,
                                bos + (chunks - 1) * C, hk, h, 0)
                     fetch_gates(g_cumsum, beta, h, bos + (chunks - 1) * C, last, gam_next,
                                 gam_last_next, beta_next)
@@ -139,15 +143,11 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                     sa = r % SLOTS
                     # the previous chunk's copies fly while this one is prepared
                     if r + 1 < chunks:
-                        load_chunk(q, k, do, A, empty, q_s, k_s, do_s, ag_s, a0 - C, hk, h,
-                                   r + 1)
-                        T.ptx_wait_group(4)                   # this chunk's four groups
-                    else:
-                        T.ptx_wait_group(0)
-                    # rows past the end (next sequence, padding: maybe NaN) zeroed, once
-                    # every thread's copies of the slot have landed
+                        load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s, a0 - C,
+                                   hk, h, r + 1)
+                    T.barrier_wait(loaded[sa], (r // SLOTS) % 2)  # this chunk's tiles landed
+                    # rows past the end (next sequence, padding: maybe NaN) zeroed
                     if a_rows < C:
-                        T.sync_threads(AUX_BARRIER, 128)
                         for i, j in T.Parallel(C, K):
                             if i >= a_rows:
                                 q_s[sa, i, j] = T.cast(0, dtype)
