@@ -75,13 +75,15 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     # x store_h, the backward's states-only ws x has_h0 x (warm-up, unsplit) x h dtype,
     # the training forward keeping h in dtype (with o) x has_h0 x (warm-up, unsplit),
     # the dh sweep (below), intra x state dtype (dq / dk per head in q's dtype with
-    # BWD_GVA_GRADS_IN_DTYPE, else also in fp32)
+    # BWD_GVA_GRADS_IN_DTYPE, else also in fp32), the group sum (with it)
     if traits.BWD_DH_AUX_WARPGROUP:          # chunk_bwd_dh_ws x has_dht x 4 flag sets
         dh = 8
     else:                                    # chunk_bwd_dh x has_dht x tiling (+ warm-up
         dh = 2 * (1 + traits.FWD_NARROW_TILING) + 8 * warmup   # x 2 tilings x dS1 dtype)
     intra = 2 * (1 + (not traits.BWD_GVA_GRADS_IN_DTYPE))
-    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 16 * warmup + dh + intra)
+    group_sum = int(traits.BWD_GVA_GRADS_IN_DTYPE)     # the GVA sum of per-head dq / dk
+    assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 16 * warmup + dh + intra
+                                               + group_sum)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
