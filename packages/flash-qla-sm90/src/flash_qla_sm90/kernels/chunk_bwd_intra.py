@@ -416,8 +416,8 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     :func:`flash_qla.chunk_parallel.chunk_gated_delta_rule_bwd_parallel`: dq, dk
     ``[B, T, Hk, K]`` in q's / k's dtype (per value head from the kernel, in q's dtype
     with ``traits.BWD_GVA_GRADS_IN_DTYPE`` or when Hv = Hk, else fp32, group-major
-    ``[G, Tt, Hk, K]``, then summed over the G = Hv / Hk value heads of each q/k head by
-    one deterministic torch reduction over that outer dimension, which accumulates in
+    ``[G, Tt, Hk, K]``, then summed over the G = Hv / Hk value heads of each q/k head
+    over that outer dimension by :func:`_sum_groups`: deterministic, accumulated in
     fp32); dv
     ``[B, T, Hv, V]`` in v's dtype; dbeta ``[B, T, Hv]`` in beta's dtype; dg
     ``[B, T, Hv]`` fp32. Padding tokens after ``cu_seqlens[-1]`` get zeros.

@@ -105,7 +105,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
         """TMA the 64-row tiles of chunk ``c`` (first token ``t0``) into slot c % SLOTS
         once the state warpgroups have released it (chunk c - SLOTS); one elected aux
         thread issues them, every aux thread arrives on ``loaded[s]`` (128 arrivals plus
-        the tiles' bytes), waited for with :func:`wait_loaded`."""
+        the tiles' bytes), which the aux waits on before it prepares the chunk."""
         s = c % SLOTS
         T.barrier_wait(empty[s], (c // SLOTS) % 2 ^ 1)
         if not states_only:

@@ -186,8 +186,8 @@ BWD_DH_AUX_WARPGROUP = True
 BWD_STATES_IN_DTYPE = True
 
 #: ``chunk_bwd_intra`` writes the per-value-head dq, dk in q's dtype under GVA too (Hv > Hk);
-#: the G = Hv / Hk heads of each q/k head are then summed by one torch reduction that
-#: accumulates in fp32 and writes q's dtype. False: per-head fp32 (twice the bytes
+#: the G = Hv / Hk heads of each q/k head are then summed by ``group_sum_kernel`` (one
+#: pass, fp32 accumulation, q's dtype out). False: per-head fp32, summed by torch (twice the bytes
 #: written and read back, and a cast kernel after the sum: v14 call 2 measured the GVA
 #: backward at 16/32 8x4096 3.90 ms against 2 x 1.60 for 16/16). Hv = Hk writes q's
 #: dtype either way (no sum follows).
