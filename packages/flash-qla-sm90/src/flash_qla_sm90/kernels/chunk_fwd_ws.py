@@ -58,7 +58,9 @@ SLOTS = 3
 #: resources"): each 16-deep step waited for the previous one.
 STATE_REGS, AUX_REGS = 208, 88
 assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
-#: Named barrier of the aux warpgroup (0 is __syncthreads'; TileLang's own use 3 and up).
+#: Named barrier of the aux warpgroup (0 is __syncthreads'). TileLang's cross-thread
+#: reductions (``T.reduce_*``, ``tl::AllReduce``) also use ids 1 and 2 and its other syncs
+#: 3 and up: these kernels have no reduction across threads; adding one means new ids here.
 AUX_BARRIER = 1
 
 
