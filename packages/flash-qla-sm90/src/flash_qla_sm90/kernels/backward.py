@@ -195,6 +195,13 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
     if h is None:
         h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
                          h_in_dtype=in_dtype, **common)
+    if (use_dh_kernel and use_intra_kernel and traits.BWD_FUSED
+            and dh_aux_warpgroup(q.shape[-1], v.shape[-1])):
+        from .chunk_bwd_fused import fused_grads
+
+        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht,
+                                  packed=p, **common)
+        return (*grads, dh0 if initial_state is not None else None)
     dS1 = dh0 = None
     if use_dh_kernel:
         dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p,

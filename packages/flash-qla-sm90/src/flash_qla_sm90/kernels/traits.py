@@ -185,6 +185,12 @@ BWD_DH_AUX_WARPGROUP = True
 #: tests 62 + 8 passed). False restores fp32 states on both paths.
 BWD_STATES_IN_DTYPE = True
 
+#: Where the unsplit backward keeps h in q's dtype, run the sweep and the per-chunk
+#: gradients as one kernel (``chunk_bwd_fused``: one CTA per (sequence, value head),
+#: four warpgroups by role) instead of ``chunk_bwd_dh_ws`` + ``chunk_bwd_intra``.
+#: NOT yet verified on a GPU: off.
+BWD_FUSED = False
+
 #: ``chunk_bwd_intra`` writes the per-value-head dq, dk in q's dtype under GVA too (Hv > Hk);
 #: the G = Hv / Hk heads of each q/k head are then summed by ``group_sum_kernel`` (one
 #: pass, fp32 accumulation, q's dtype out). False: per-head fp32, summed by torch (twice the bytes
