@@ -133,6 +133,26 @@ def test_aux_warpgroup_forward_never_serialises_its_roles():
     assert "tma_load" in src and "cp_async" not in src  # the aux's tiles arrive by TMA
 
 
+@pytest.mark.parametrize(("kernel", "stage", "out"),
+                         [("fwd_ws_warmup_h_dtype", "h_s", "h_out"),
+                          ("fwd_ws_warmup_states_dtype", "h_s", "h_out"),
+                          ("bwd_dh_ws_warmup_dtype", "ds1_s", "dS1")])
+def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out):
+    """The warp-specialised sweeps storing h / dS1 in q's dtype stage it in a shared
+    [K, V] tile and store it by TMA (``tile_ops.store_staged``; no element-wise stores
+    from the registers), and that tile gets bytes of its own: TileLang's planner reuses
+    the bytes of a buffer whose last use comes earlier in program order, and the role
+    blocks run at once (v17's race)."""
+    builder, args = _variant(kernel)
+    src = _source(builder, *args)
+    assert f"tma_store({out}_desc" in src and not re.search(rf"\b{out}\[", src)
+    offsets = {name: int(off) for name, off in re.findall(
+        r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)}
+    lo, hi = offsets[stage], offsets[stage] + 128 * 128 * 2
+    inside = [name for name, off in offsets.items() if name != stage and lo <= off < hi]
+    assert not inside, (lo, hi, inside, offsets)
+
+
 def test_states_only_forward_skips_o():
     """chunk_fwd_ws with ``states_only`` (the backward's recompute of h): three state
     WGMMAs per chunk, no Q K^T on the aux warpgroup, and o never written."""
