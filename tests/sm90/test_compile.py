@@ -137,7 +137,7 @@ def test_aux_warpgroup_forward_never_serialises_its_roles():
                          [("fwd_ws_warmup_h_dtype", "h_s", "h_out"),
                           ("fwd_ws_warmup_states_dtype", "h_s", "h_out"),
                           ("bwd_dh_ws_warmup_dtype", "ds1_s", "dS1")])
-def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out):
+def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out, tmp_path):
     """The warp-specialised sweeps storing h / dS1 in q's dtype stage it in a shared
     [K, V] tile and store it by TMA (``tile_ops.store_staged``; no element-wise stores
     from the registers), and that tile gets bytes of its own: TileLang's planner reuses
@@ -151,6 +151,11 @@ def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out):
     lo, hi = offsets[stage], offsets[stage] + 128 * 128 * 2
     inside = [name for name, off in offsets.items() if name != stage and lo <= off < hi]
     assert not inside, (lo, hi, inside, offsets)
+    # the 32 KB tile takes these kernels to the sm_90 block limit: dynamic + static
+    # (the mbarriers, padded to the dynamic buffer's 1024-byte alignment) <= 227 KB
+    static = int(re.search(r"(\d+) bytes smem", _ptxas_report(src, tmp_path)).group(1))
+    dynamic = max(_dynamic_smem(builder(*args).get_host_source()))
+    assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
 
 
 def test_states_only_forward_skips_o():
