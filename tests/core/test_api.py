@@ -192,6 +192,27 @@ def test_empty_sequence_keeps_its_initial_state():
     assert torch.equal(final_state[0], inputs["initial_state"][0].detach())
 
 
+def test_no_tokens_run_the_reference_backend(monkeypatch):
+    """T = 0: the call asks dispatch for the ``torch`` backend (on a GPU no kernel is
+    launched: TMA descriptors need every dimension >= 1); empty o, the initial state as
+    the final state, and zero-size / pass-through gradients."""
+    asked = []
+    real = dispatch.get_kernels
+    monkeypatch.setattr(dispatch, "get_kernels", lambda device, **kw: (
+        asked.append(kw["backend"]), real(device, **kw))[1])
+    q, k = (torch.randn(1, 0, 2, 64, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 0, 4, 32, requires_grad=True)
+    g, beta = torch.zeros(1, 0, 4), torch.zeros(1, 0, 4)
+    h0 = torch.randn(1, 4, 64, 32, requires_grad=True)
+    o, final_state = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                      output_final_state=True)
+    assert asked and set(asked) == {"torch"}
+    assert o.shape == (1, 0, 4, 32) and torch.equal(final_state, h0.detach())
+    dht = torch.randn_like(final_state)
+    dq, dh0 = torch.autograd.grad(final_state, (q, h0), dht)
+    assert dq.shape == q.shape and torch.equal(dh0, dht)
+
+
 # --------------------------------------------------------------------------------------
 # Lower precisions, dtypes of outputs and gradients
 # --------------------------------------------------------------------------------------

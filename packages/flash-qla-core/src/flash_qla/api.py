@@ -71,10 +71,15 @@ L2NORM_EPS = 1e-6
 
 def _select_kernels(q: torch.Tensor, v: torch.Tensor, backend: str | None,
                     *others: torch.Tensor | None) -> tuple[BackendSpec, Kernels]:
-    """The backend for this call (dispatch is imported lazily: no discovery at import)."""
+    """The backend for this call (dispatch is imported lazily: no discovery at import).
+    A call without tokens (T = 0) runs the ``torch`` backend unless one is named: empty
+    outputs and the initial state as the final one, with no GPU kernel launched (the
+    Hopper kernels' TMA descriptors need every dimension >= 1)."""
     from flash_qla.dispatch import get_kernels
 
     K, V = q.shape[3], v.shape[3]
+    if backend is None and q.shape[1] == 0:
+        backend = "torch"
     spec, kernels = get_kernels(q.device, K=K, V=V, dtype=q.dtype, backend=backend)
     validation.check_backend(spec, K=K, V=V, dtype=q.dtype,
                              uses_float64=validation.uses_float64(q, *others))
