@@ -409,3 +409,30 @@ def test_split_inside_graph_capture():
                                                         output_final_state=True)
     assert torch.equal(live, want) and torch.equal(live_final, want_final)
     assert rel_l2(live, reference(varlen)[0]) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("lens, pad", [((), 0), ((0, 0), 37)], ids=["T0", "empty-seqs-pad"])
+def test_calls_without_chunks(lens, pad):
+    """No chunk to compute: T = 0 (dispatched to the torch backend) and a varlen batch of
+    empty sequences followed by padding (the Hopper path, whose TMA descriptors need
+    every dimension >= 1). A training step through both: o exact zeros, each sequence's
+    final state its initial state, zero gradients of q, k, v, g, beta and dh0 = dht."""
+    Hk, Hv, D, dev = 1, 2, 128, "cuda"
+    T = sum(lens) + pad
+    q, k = (F.normalize(torch.randn(1, T, Hk, D, device=dev), dim=-1).bfloat16()
+            .requires_grad_() for _ in range(2))
+    v = torch.randn(1, T, Hv, D, device=dev).bfloat16().requires_grad_()
+    g = (-torch.rand(1, T, Hv, device=dev)).requires_grad_()
+    beta = torch.rand(1, T, Hv, device=dev).bfloat16().requires_grad_()
+    N = max(len(lens), 1)
+    h0 = torch.randn(N, Hv, D, D, device=dev, requires_grad=True)
+    cu = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                       device=dev) if lens else None)
+    o, final_state = flash_qla.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(final_state, h0.detach())
+    do, dht = torch.randn_like(o), torch.randn_like(final_state)
+    grads = torch.autograd.grad((o, final_state), (q, k, v, g, beta, h0), (do, dht))
+    for name, grad in zip(("q", "k", "v", "g", "beta"), grads[:5]):
+        assert torch.equal(grad, torch.zeros_like(grad)), name
+    assert torch.equal(grads[5], dht)

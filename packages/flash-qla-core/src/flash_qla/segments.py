@@ -446,23 +446,14 @@ class WalkEnds(_WalkRule):
 
 
 def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
-               bounds: list[int], output_final_state: bool, segment_len: int,
-               shortcut_bound: float, keep_states: bool = False):
+               plan: _Plan | _DevicePlan, output_final_state: bool, shortcut_bound: float,
+               keep_states: bool = False):
     """``Kernels.fwd`` contract (without h) by the bounded split, one pass of the
-    backend's ``fwd_warmup`` over all segments (module docstring). Arguments as
-    :func:`segmented_fwd`; ``shortcut_bound`` in (0, 1). Returns
+    backend's ``fwd_warmup`` over all segments (module docstring) of ``plan`` (the
+    host's, :func:`_plan_for`, or a captured varlen batch's, :func:`_device_plan`).
+    Arguments as :func:`segmented_fwd`; ``shortcut_bound`` in (0, 1). Returns
     ``(g_cumsum, A, o, states, final_state)``: ``states`` the chunk states the backend
     kept for ``bwd_warmup`` with ``keep_states`` (``Kernels.keeps_states``), else None."""
-    return _warmup_fwd(kernels, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       plan=_plan_for(bounds, segment_len, q.device),
-                       output_final_state=output_final_state, shortcut_bound=shortcut_bound,
-                       keep_states=keep_states)
-
-
-def _warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor | None,
-                plan: _Plan | _DevicePlan, output_final_state: bool, shortcut_bound: float,
-                keep_states: bool = False):
-    """:func:`warmup_fwd` on a plan (the host's, or a device plan)."""
     keep = {"keep_states": True} if keep_states and keeps_states(kernels) else {}
     g_cumsum, A, o, final_seg, *kept = kernels.fwd_warmup(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
@@ -550,7 +541,7 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
                              f"inside CUDA-graph capture, got {segment_len}")
         plan = _plan_for(bounds, segment_len, q.device) if bounded else None
     if plan is not None:                             # the bounded split, one pass
-        g_cumsum, A, o, states, final_state = _warmup_fwd(
+        g_cumsum, A, o, states, final_state = warmup_fwd(
             kernels, *packed, scale=scale, initial_state=initial_state, plan=plan,
             output_final_state=output_final_state, shortcut_bound=shortcut_bound,
             keep_states=keep_states)
