@@ -133,6 +133,54 @@ def test_aux_warpgroup_forward_never_serialises_its_roles():
     assert "tma_load" in src and "cp_async" not in src  # the aux's tiles arrive by TMA
 
 
+def _shared_spans(compiled) -> dict:
+    """``{buffer: (first byte, end)}`` of a compiled kernel's dynamic shared memory: the
+    offsets from the generated CUDA, the sizes from the buffers' shapes in its TIR."""
+    import math
+
+    import tvm
+
+    src = compiled.get_kernel_source()
+    offsets = {name: int(off) for name, off in re.findall(
+        r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)}
+    sizes = {}
+
+    def visit(node):
+        for buf in getattr(node, "alloc_buffers", ()):
+            if buf.scope() == "shared.dyn":
+                sizes[buf.name] = math.prod(int(x) for x in buf.shape) * buf.dtype.bits // 8
+
+    tvm.tirx.stmt_functor.post_order_visit(compiled.prim_func.body, visit)
+    assert set(offsets) <= set(sizes), (offsets, sizes)        # unused buffers get no bytes
+    return {name: (off, off + sizes[name]) for name, off in offsets.items()}
+
+
+@pytest.mark.parametrize(("kernel", "stage", "out"),
+                         [("fwd_ws_warmup_h_dtype", "h_s", "h_out"),
+                          ("fwd_ws_warmup_states_dtype", "h_s", "h_out"),
+                          ("bwd_dh_ws_warmup_dtype", "ds1_s", "dS1")])
+def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out, tmp_path):
+    """The warp-specialised sweeps storing h / dS1 in q's dtype stage it in a shared
+    [K, V] tile and store it by TMA (``tile_ops.store_staged``; no element-wise stores
+    from the registers), and that tile gets bytes of its own: TileLang's planner reuses
+    the bytes of a buffer whose last use comes earlier in program order, and the role
+    blocks run at once (v17's race)."""
+    builder, args = _variant(kernel)
+    compiled = builder(*args)
+    src = compiled.get_kernel_source()
+    assert f"tma_store({out}_desc" in src and not re.search(rf"\b{out}\[", src)
+    spans = _shared_spans(compiled)
+    lo, hi = spans[stage]
+    overlapping = {name: span for name, span in spans.items()
+                   if name != stage and span[0] < hi and lo < span[1]}
+    assert hi - lo == 128 * 128 * 2 and not overlapping, (stage, spans)
+    # the 32 KB tile takes these kernels to the sm_90 block limit: dynamic + static
+    # (the mbarriers, padded to the dynamic buffer's 1024-byte alignment) <= 227 KB
+    static = int(re.search(r"(\d+) bytes smem", _ptxas_report(src, tmp_path)).group(1))
+    dynamic = max(_dynamic_smem(builder(*args).get_host_source()))
+    assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
+
+
 def test_states_only_forward_skips_o():
     """chunk_fwd_ws with ``states_only`` (the backward's recompute of h): three state
     WGMMAs per chunk, no Q K^T on the aux warpgroup, and o never written."""

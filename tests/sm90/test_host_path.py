@@ -358,3 +358,32 @@ def test_captured_varlen_batch_is_split_on_the_device(sm90_without_launches, fus
     flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=many,
                                      cu_seqlens_cpu=many if host_lengths else None)
     assert fused_launches == [(False, False)]            # no h0, no h, no warm-up
+
+
+def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_launches,
+                                                                 monkeypatch):
+    """A varlen batch of empty sequences (padding only) has no chunk; h and dS1 in q's
+    dtype leave their kernels by TMA, whose descriptors need every dimension >= 1: the
+    kernels get one row (never written), the callers none."""
+    from flash_qla_sm90.kernels import backward, forward
+
+    launched = {}
+    for module, name in ((forward, "fwd"), (backward, "sweep")):
+        real = module.launcher
+
+        def spy(builder, *static, real=real, name=name):
+            run = real(builder, *static)
+            return lambda *args: (launched.setdefault(name, args), run(*args))[1]
+
+        monkeypatch.setattr(module, "launcher", spy)
+    (q, k, v, g, beta, h0), do, _ = _inputs(1, 64, 2, requires_grad=False)
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32)
+    A = torch.zeros(1, 64, 2, 64, dtype=q.dtype)
+    p = backward.pack(q, k, v, g, beta, A, do, cu)
+    _, _, h = forward._fused(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=1.0,
+                             initial_state=None, num_chunks=0, alloc=torch.empty,
+                             tiling="ws", h_in_dtype=True)
+    dS1, _ = backward.state_grads(q, k, do, g, beta, A, scale=1.0, dht=None, cu_seqlens=cu,
+                                  cu_seqlens_cpu=cu, ds1_in_dtype=True, packed=p)
+    assert launched["fwd"][12].shape[0] == 1 and h.shape == (0, 2, 128, 128)
+    assert launched["sweep"][10].shape[0] == 1 and dS1.shape == (0, 2, 128, 128)

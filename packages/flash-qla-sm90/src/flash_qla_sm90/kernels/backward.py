@@ -124,7 +124,10 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     if ds1_in_dtype and not (warmup or dh_aux_warpgroup(K, V)):
         raise ValueError("ds1_in_dtype: only the bounded split's sweep (ends) and "
                          "chunk_bwd_dh_ws store dS1 in q's dtype")
-    dS1 = torch.empty(total_chunks(layout, cu_seqlens_cpu), Hv, K, V,
+    NT = total_chunks(layout, cu_seqlens_cpu)
+    # at least one row: dS1 in q's dtype leaves by TMA (every descriptor dimension >= 1;
+    # a varlen batch of empty sequences has no chunk); the extra row is never written
+    dS1 = torch.empty(max(NT, 1), Hv, K, V,
                       dtype=q.dtype if ds1_in_dtype else torch.float32, device=q.device)
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
@@ -139,7 +142,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
         kernel = launcher(chunk_bwd_dh_kernel, _DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)
     kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0, *walks)
-    return dS1, dh0
+    return dS1[:NT], dh0
 
 
 @_fp32_beta

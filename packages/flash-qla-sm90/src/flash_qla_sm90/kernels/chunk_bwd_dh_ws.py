@@ -30,8 +30,8 @@ written out.
 import tilelang
 import tilelang.language as T
 
-from .chunk_fwd_ws import AUX_BARRIER, ROWS, SLOTS
-from .tile_ops import LOG2E, fetch_gates, search_walk_end, store_transposed
+from .chunk_fwd_ws import AUX_BARRIER, ROWS, SLOTS, STATE_BARRIER
+from .tile_ops import LOG2E, fetch_gates, search_walk_end, store_staged, store_transposed
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 
 #: setmaxnreg budgets (same launch allocation as ``chunk_fwd_ws``: 256 x STATE_REGS +
@@ -53,6 +53,8 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
     Tt, Hk, Hv, N, N0, N1, NT, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW")
     f32 = "float32"
     ds1_dtype = dtype if ds1_in_dtype else f32
+    #: dS1 in dtype leaves by TMA from a shared [K, V] tile (``tile_ops.store_staged``)
+    stage = ds1_in_dtype
 
     @T.macro
     def load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s, t0, hk, h, r):
@@ -98,6 +100,8 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
             # aux-only
             gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
             beta_s = T.alloc_shared((C,), f32)
+            if stage:                                         # state-only
+                ds1_s = T.alloc_shared((K, V), dtype)         # dS1 of the chunk, for TMA
             qk = T.alloc_fragment((C, C), f32)               # Q K^T, then Ps
             gb = T.alloc_fragment((C, C), f32)               # G diag(beta), masked
             gam_next = T.alloc_fragment((C,), f32)            # gates of the next chunk
@@ -129,6 +133,10 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
             empty = T.alloc_barrier([256] * SLOTS)
             loaded = T.alloc_barrier([128] * SLOTS)           # TMA -> aux, per slot
 
+            if stage:                 # own bytes for ds1_s (see chunk_fwd_ws's h_s)
+                for i, j in T.Parallel(3, V):
+                    ds1_s[i, j] = T.cast(0, dtype)
+                T.sync_threads()
             with T.ws(2):                                     # aux
                 T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
@@ -198,13 +206,19 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                 for r in T.serial(chunks):
                     c = chunks - 1 - r
                     ss = r % SLOTS
-                    if warmup:
+                    if warmup and not stage:
                         if bos + c * C < out_eos:             # not a warm-up chunk
                             store_transposed(dS1, dst, first_chunk + c, h)
-                    else:
+                    elif not stage:
                         store_transposed(dS1, dst, first_chunk + c, h)
                     for i, j in T.Parallel(V, K):
                         dst_b[i, j] = dst[i, j]
+                    if warmup and stage:
+                        if bos + c * C < out_eos:             # not a warm-up chunk
+                            store_staged(dS1, ds1_s, dst_b, first_chunk + c, h,
+                                         STATE_BARRIER, 256)
+                    elif stage:
+                        store_staged(dS1, ds1_s, dst_b, first_chunk + c, h, STATE_BARRIER, 256)
                     T.barrier_wait(full[ss], (r // SLOTS) % 2)
                     T.wgmma_gemm(dst_b, k_s[ss, :, :], du, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # dS1^T K^T
@@ -225,5 +239,7 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                     T.gemm(du_b, k_s[ss, :, :], dst, policy=ROWS)                 # + .. K
                     T.barrier_arrive(empty[ss])
                 store_transposed(dh0, dst, n, h)
+                if stage:
+                    T.tma_store_wait()              # ds1_s read before the CTA's memory goes
 
     return chunk_bwd_dh_ws

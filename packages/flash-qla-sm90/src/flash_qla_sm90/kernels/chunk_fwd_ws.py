@@ -43,7 +43,7 @@ transposed forward (``traits.FWD_AUX_WARPGROUP``).
 import tilelang
 import tilelang.language as T
 
-from .tile_ops import LOG2E, fetch_gates, store_transposed
+from .tile_ops import LOG2E, fetch_gates, store_staged, store_transposed
 from .traits import CHUNK, PASS_CONFIGS, TARGET, WALK_UNROLL
 
 ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
@@ -58,10 +58,11 @@ SLOTS = 3
 #: resources"): each 16-deep step waited for the previous one.
 STATE_REGS, AUX_REGS = 208, 88
 assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
-#: Named barrier of the aux warpgroup (0 is __syncthreads'). TileLang's cross-thread
-#: reductions (``T.reduce_*``, ``tl::AllReduce``) also use ids 1 and 2 and its other syncs
-#: 3 and up: these kernels have no reduction across threads; adding one means new ids here.
-AUX_BARRIER = 1
+#: Named barriers (0 is __syncthreads'): the aux warpgroup's, and the two state
+#: warpgroups' around the staged h store. TileLang's cross-thread reductions
+#: (``T.reduce_*``, ``tl::AllReduce``) also use ids 1 and 2 and its other syncs 3 and up:
+#: these kernels have no reduction across threads; adding one means new ids here.
+AUX_BARRIER, STATE_BARRIER = 1, 2
 
 
 # Every synchronisation is written out (see the module docstring).
@@ -101,6 +102,9 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     Tt, Hk, Hv, N, N0, N1, NTh, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW")
     f32 = "float32"
     h_dtype = dtype if h_in_dtype else f32
+    #: h in dtype leaves by TMA from a shared [K, V] tile (32 KB: fits beside the slots);
+    #: fp32 h (64 KB) is stored from the registers
+    stage_h = store_h and h_in_dtype
 
     @T.macro
     def load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, t0, hk, h, c):
@@ -155,6 +159,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             # aux-only
             gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
             beta_s = T.alloc_shared((C,), f32)
+            if stage_h:                                       # state-only
+                h_s = T.alloc_shared((K, V), dtype)           # S0 of the chunk, for TMA
             qk = T.alloc_fragment((C, C), f32)               # Q K^T, then P
             gb = T.alloc_fragment((C, C), f32)               # G diag(beta), masked
             gam_next = T.alloc_fragment((C,), f32)            # gates of the next chunk
@@ -203,6 +209,16 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
             empty = T.alloc_barrier([256] * SLOTS)
             loaded = T.alloc_barrier([128] * SLOTS)           # TMA -> aux, per slot
 
+            if stage_h:
+                # h_s is written only by the state warpgroups, but TileLang's planner
+                # reuses the bytes of buffers whose last use comes earlier in program
+                # order (the aux block's): a use by every thread before the roles split
+                # keeps it in bytes of its own (v17's race of the output warpgroup); a
+                # few rows suffice (one element per thread), the sync orders them before
+                # the state's first staged store
+                for i, j in T.Parallel(3, V):
+                    h_s[i, j] = T.cast(0, dtype)
+                T.sync_threads()
             with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
                 T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
@@ -282,14 +298,20 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     t0 = bos + c * C
                     rows = T.min(seq_len - c * C, C)
                     ss = c % SLOTS
-                    if store_h and warmup:
+                    if store_h and not stage_h and warmup:
                         if t0 >= out_bos:                     # the segment's own chunks
                             store_transposed(h_out, st, first_chunk + (t0 - out_bos) // C, h)
-                    elif store_h:
+                    elif store_h and not stage_h:
                         for i, j in T.Parallel(V, K):
                             h_out[first_chunk + c, h, j, i] = st[i, j]
                     for i, j in T.Parallel(V, K):
                         st_b[i, j] = st[i, j]
+                    if stage_h and warmup:
+                        if t0 >= out_bos:                     # the segment's own chunks
+                            store_staged(h_out, h_s, st_b, first_chunk + (t0 - out_bos) // C, h,
+                                         STATE_BARRIER, 256)
+                    elif stage_h:
+                        store_staged(h_out, h_s, st_b, first_chunk + c, h, STATE_BARRIER, 256)
                     T.barrier_wait(full[ss], (c // SLOTS) % 2)
                     T.wgmma_gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # (K S0)^T
@@ -323,5 +345,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                         store_o(o, ot, scale, t0, rows, h)
                 for i, j in T.Parallel(V, K):
                     final_state[n, h, j, i] = st[i, j]
+                if stage_h:
+                    T.tma_store_wait()              # h_s read before the CTA's memory goes
 
     return chunk_fwd_ws

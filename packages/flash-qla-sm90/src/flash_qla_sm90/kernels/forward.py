@@ -341,7 +341,10 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     if h_in_dtype and walks is None and tiling != "ws":
         raise ValueError("h_in_dtype: only chunk_fwd_ws stores h in q's dtype (the "
                          f"bounded split's walks, or the ws plan); the plan is {tiling!r}")
-    h = (final_state.new_empty(num_chunks, Hv, K, V,
+    # at least one row: h in q's dtype leaves by TMA, whose descriptor needs every
+    # dimension >= 1 (a varlen batch of empty sequences has no chunk); the extra row is
+    # never written, the caller gets the first num_chunks
+    h = (final_state.new_empty(max(num_chunks, 1), Hv, K, V,
                                dtype=q.dtype if h_in_dtype else torch.float32)
          if store_h else _no_h(q.device, Hv, K, V))
     dtype = _DTYPE_NAMES[q.dtype]
@@ -361,7 +364,7 @@ def _fused(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_st
     kernel(
         q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
         h0, float(scale), o, final_state, h, *extra)
-    return o, final_state, (h if store_h else None)
+    return o, final_state, (h[:num_chunks] if store_h else None)
 
 
 def _output_alloc(cu_seqlens, cu_seqlens_cpu, num_tokens: int):

@@ -8,6 +8,7 @@
 - ``search_walk_end``: where a bounded split's reverse walk ends (the dS sweeps).
 - ``store_transposed``: a [K, V] state (or state gradient) held transposed in registers
   to its row of a ``[rows, H, K, V]`` tensor (the warp-specialised sweeps).
+- ``store_staged``: the same in q's dtype through a shared [K, V] tile and one TMA store.
 """
 
 import math
@@ -91,3 +92,24 @@ def store_transposed(out, src_t, row, h):
     V, K = src_t.shape
     for i, j in T.Parallel(V, K):
         out[row, h, j, i] = src_t[i, j]
+
+
+@T.macro
+def store_staged(out, stage, src_t, row, h, barrier, threads):
+    """``out[row, h] = src_t^T`` through the shared tile ``stage`` ``[K, V]`` (``out``'s
+    dtype) and one TMA store: ``src_t`` ``[V, K]`` in ``out``'s dtype, held by the
+    ``threads`` threads that meet on the named ``barrier``. Each thread writes its own
+    elements transposed into the tile (swizzled, no bank conflicts), and one elected
+    thread stores the tile. Before the tile is overwritten, that thread waits until its
+    previous store has read it. ``store_transposed``'s register-to-global stores (64
+    two-byte scattered stores per thread for a 128 x 128 tile) cost ~1.6-2 us per chunk
+    on the forward's state chain (docs/perf-notes.md, v18 call 5). The caller waits for
+    the last store (``T.tma_store_wait()``) before its threads exit."""
+    V, K = src_t.shape
+    T.tma_store_wait()                      # the previous store has read the tile
+    T.sync_threads(barrier, threads)
+    for i, j in T.Parallel(V, K):
+        stage[j, i] = src_t[i, j]
+    T.fence_proxy_async()                   # generic stores -> the TMA engine's reads
+    T.sync_threads(barrier, threads)
+    T.tma_copy(stage, out[row, h, :, :])    # one elected thread, waited for above
