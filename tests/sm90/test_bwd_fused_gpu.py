@@ -11,7 +11,14 @@ import torch
 
 import flash_qla
 from tests.helpers import rel_l2
-from tests.sm90.test_backward_gpu import BWD_CASES, SAME_HEAD_CASES, TOL, _grads, _reference_grads
+from tests.sm90.test_backward_gpu import (
+    BOUNDED_BWD_CASES,
+    BWD_CASES,
+    SAME_HEAD_CASES,
+    TOL,
+    _grads,
+    _reference_grads,
+)
 from tests.sm90.test_forward_gpu import CASES, Case, make_inputs
 
 pytestmark = pytest.mark.sm90
@@ -91,3 +98,21 @@ def test_fused_backward_long_sequence(monkeypatch):
     base, _, _ = _grads(inp, auto_cp=False)
     errors = {n: rel_l2(ours[n].float(), base[n].float()) for n in base}
     assert all(e < 1e-2 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("case, segment_len", BOUNDED_BWD_CASES,
+                         ids=[f"{c.id}-seg{s}" for c, s in BOUNDED_BWD_CASES])
+def test_fused_bounded_split_matches_recurrence(case, segment_len, monkeypatch):
+    """The bounded split's backward with the fused kernel (the boundary sweep walks only
+    the warm-up chunks after each segment, the fused kernel walks the segment from
+    there) against the fp64 recurrence and the two-kernel bounded backward."""
+    from flash_qla_sm90.kernels import traits
+
+    inp = make_inputs(case, seed=4)
+    monkeypatch.setattr(traits, "BWD_FUSED", True)
+    ours, do, dht = _grads(inp, segment_len=segment_len)
+    monkeypatch.setattr(traits, "BWD_FUSED", False)
+    base, _, _ = _grads(inp, segment_len=segment_len)
+    ref = _reference_grads(inp, do, dht)
+    errors = {n: (rel_l2(ours[n], ref[n]), rel_l2(ours[n], base[n])) for n in TOL if n in ref}
+    assert all(max(e) < TOL[n] for n, e in errors.items()), errors

@@ -110,13 +110,16 @@ def dh_aux_warpgroup(K: int, V: int) -> bool:
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu,
-                ends=None, ds1_in_dtype: bool = False, packed: Packed | None = None):
+                ends=None, ds1_in_dtype: bool = False, boundary: bool = False,
+                packed: Packed | None = None):
     """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32.
     With ``ends`` (``flash_qla.segments.WalkEnds``, ``cu_seqlens`` the segments): the
     bounded split's sweep (the sweep kernel with ``warmup``, which searches each walk's
     end itself), dh0 per segment. ``ds1_in_dtype`` stores dS1 in q's dtype instead of
     fp32 (the bounded sweep, or ``chunk_bwd_dh_ws``). The kernel: :func:`dh_aux_warpgroup`.
-    ``packed``: the same inputs already packed (:func:`pack`)."""
+    ``packed``: the same inputs already packed (:func:`pack`). ``boundary`` (with
+    ``ends``, ``chunk_bwd_dh_ws``): only the warm-up walks after each segment; returns
+    ``(None, dS at each segment's end [N, Hv, K, V])``, the fused kernel's start states."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
     p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens)
     layout = p.layout
@@ -124,7 +127,10 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     if ds1_in_dtype and not (warmup or dh_aux_warpgroup(K, V)):
         raise ValueError("ds1_in_dtype: only the bounded split's sweep (ends) and "
                          "chunk_bwd_dh_ws store dS1 in q's dtype")
-    NT = total_chunks(layout, cu_seqlens_cpu)
+    if boundary and (ds1_in_dtype or not (warmup and dh_aux_warpgroup(K, V))):
+        raise ValueError("boundary: only the bounded split's chunk_bwd_dh_ws sweep (ends, "
+                         "K = V = 128), dS1 not stored")
+    NT = 0 if boundary else total_chunks(layout, cu_seqlens_cpu)
     # at least one row: dS1 in q's dtype leaves by TMA (every descriptor dimension >= 1;
     # a varlen batch of empty sequences has no chunk); the extra row is never written
     dS1 = torch.empty(max(NT, 1), Hv, K, V,
@@ -132,7 +138,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
     walks = _walk_args(ends, q.device)
-    flags = static_flags(warmup, ds1_in_dtype)          # the shipped cache's exact keys
+    flags = static_flags(warmup, ds1_in_dtype, boundary)   # the shipped cache's exact keys
     if dh_aux_warpgroup(K, V):
         kernel = launcher(chunk_bwd_dh_ws_kernel, _DTYPE_NAMES[q.dtype], K, V, has_dht, *flags)
     else:
@@ -142,7 +148,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
         kernel = launcher(chunk_bwd_dh_kernel, _DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)
     kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0, *walks)
-    return dS1[:NT], dh0
+    return (None if boundary else dS1[:NT]), dh0
 
 
 @_fp32_beta
@@ -170,6 +176,14 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
             initial_state=initial_state, alloc=torch.empty,     # o: not computed
             num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=starts,
             h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)    # h [NT,Hv,K,V]
+    if traits.BWD_FUSED and dh_aux_warpgroup(q.shape[-1], v.shape[-1]):
+        from .chunk_bwd_fused import fused_grads
+
+        _, ends_dS = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
+                                 boundary=True, packed=p, **common)
+        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=ends_dS,
+                                  packed=p, **common)
+        return (*grads, dh0 if initial_state is not None else None)
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
                            ds1_in_dtype=traits.BWD_STATES_IN_DTYPE, packed=p,
                            **common)

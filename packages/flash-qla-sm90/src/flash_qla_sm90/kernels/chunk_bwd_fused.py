@@ -40,9 +40,10 @@ own named barriers are 3 and up.
 """
 
 import tilelang
-import torch
 import tilelang.language as T
+import torch
 
+from .launch import launcher
 from .tile_ops import LOG2E
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 

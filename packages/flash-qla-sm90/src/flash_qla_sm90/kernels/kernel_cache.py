@@ -103,6 +103,8 @@ def variants(experimental: bool = False):
                     for has_dht in (False, True):
                         yield chunk_bwd_fused_kernel, (dtype, K, V, has_dht,
                                                        *static_flags(qk_in_dtype))
+                for has_dht in (False, True):    # the bounded split's boundary sweep
+                    yield chunk_bwd_dh_ws_kernel, (dtype, K, V, has_dht, True, False, True)
 
 
 def _transposed_builders(K: int, V: int, experimental: bool) -> tuple:
