@@ -29,6 +29,15 @@ pytestmark = pytest.mark.sm90
 FUSED_CASES = [*BWD_CASES, CASES[1], CASES[8], *SAME_HEAD_CASES]
 
 
+def _force_fused(monkeypatch, on: bool = True):
+    """The backward takes the fused kernel wherever it can (``backward.fused_pays``
+    would leave these small grids to the two kernels), or never."""
+    from flash_qla_sm90.kernels import traits
+
+    monkeypatch.setattr(traits, "BWD_FUSED", on)
+    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0)
+
+
 def _errors(ours, ref, names):
     return {n: rel_l2(a.float(), b.float()) for n, a, b in zip(names, ours, ref)}
 
@@ -63,11 +72,9 @@ def test_fused_kernel_matches_torch_chunk_grads(case):
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
 def test_fused_backward_matches_recurrence(case, monkeypatch):
-    """The public API's backward with the fused kernel (``traits.BWD_FUSED``, no segment
-    split) against autograd through the fp64 recurrence."""
-    from flash_qla_sm90.kernels import traits
-
-    monkeypatch.setattr(traits, "BWD_FUSED", True)
+    """The public API's backward with the fused kernel (no segment split) against
+    autograd through the fp64 recurrence."""
+    _force_fused(monkeypatch)
     inp = make_inputs(case, seed=2)
     ours, do, dht = _grads(inp, auto_cp=False)
     ref = _reference_grads(inp, do, dht)
@@ -76,9 +83,7 @@ def test_fused_backward_matches_recurrence(case, monkeypatch):
 
 
 def test_fused_backward_deterministic(monkeypatch):
-    from flash_qla_sm90.kernels import traits
-
-    monkeypatch.setattr(traits, "BWD_FUSED", True)
+    _force_fused(monkeypatch)
     inp = make_inputs(CASES[12], seed=4)
     first, _, _ = _grads(inp, auto_cp=False)
     again, _, _ = _grads(inp, auto_cp=False)
@@ -88,13 +93,11 @@ def test_fused_backward_deterministic(monkeypatch):
 
 def test_fused_backward_long_sequence(monkeypatch):
     """One 32768-token sequence, GVA 4/16 (a walk of 512 chunks per CTA)."""
-    from flash_qla_sm90.kernels import traits
-
-    monkeypatch.setattr(traits, "BWD_FUSED", True)
+    _force_fused(monkeypatch)
     case = Case(1, 32768, 4, 16)
     inp = make_inputs(case, seed=3)
     ours, do, dht = _grads(inp, auto_cp=False)
-    monkeypatch.setattr(traits, "BWD_FUSED", False)
+    _force_fused(monkeypatch, False)
     base, _, _ = _grads(inp, auto_cp=False)
     errors = {n: rel_l2(ours[n].float(), base[n].float()) for n in base}
     assert all(e < 1e-2 for e in errors.values()), errors
@@ -106,12 +109,10 @@ def test_fused_bounded_split_matches_recurrence(case, segment_len, monkeypatch):
     """The bounded split's backward with the fused kernel (the boundary sweep walks only
     the warm-up chunks after each segment, the fused kernel walks the segment from
     there) against the fp64 recurrence and the two-kernel bounded backward."""
-    from flash_qla_sm90.kernels import traits
-
     inp = make_inputs(case, seed=4)
-    monkeypatch.setattr(traits, "BWD_FUSED", True)
+    _force_fused(monkeypatch)
     ours, do, dht = _grads(inp, segment_len=segment_len)
-    monkeypatch.setattr(traits, "BWD_FUSED", False)
+    _force_fused(monkeypatch, False)
     base, _, _ = _grads(inp, segment_len=segment_len)
     ref = _reference_grads(inp, do, dht)
     errors = {n: (rel_l2(ours[n], ref[n]), rel_l2(ours[n], base[n])) for n in TOL if n in ref}

@@ -400,19 +400,20 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
 @pytest.mark.parametrize("B, T, H, path", [(4, 2048, 16, "chunk_bwd"),
                                            (1, 8192, 4, "chunk_bwd_warmup")])
 def test_fused_backward_launches(sm90_without_launches, monkeypatch, B, T, H, path):
-    """``traits.BWD_FUSED``: the unsplit backward launches ``chunk_bwd_fused`` (h in q's
+    """Where ``backward.fused_pays``: the unsplit backward launches ``chunk_bwd_fused`` (h in q's
     dtype, the caller's dht) instead of the sweep and the per-chunk kernel; the bounded
     split (1 x 8192 at 4 heads) launches the boundary sweep (no dS1, dS at each segment's
     end) and then the fused kernel from those states."""
     import flash_qla
     from flash_qla_sm90.kernels import backward, chunk_bwd_fused, chunk_bwd_intra, traits
 
-    monkeypatch.setattr(traits, "BWD_FUSED", True)
+    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0)   # fused wherever it can run
     launched = []
-    for module in (backward, chunk_bwd_intra, chunk_bwd_fused):
+    for name, module in (("backward", backward), ("chunk_bwd_intra", chunk_bwd_intra),
+                         ("chunk_bwd_fused", chunk_bwd_fused)):
         real = module.launcher
 
-        def spy(builder, *static, real=real, name=module.__name__.rsplit(".", 1)[1]):
+        def spy(builder, *static, real=real, name=name):
             run = real(builder, *static)
             return lambda *args: (launched.append((name, static, args)), run(*args))[1]
 

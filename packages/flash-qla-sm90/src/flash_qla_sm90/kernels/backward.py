@@ -103,6 +103,25 @@ def states_in_dtype(layout: ChunkLayout, Hv: int, K: int, V: int, device) -> boo
             and fused_plan(layout.num_seqs, Hv, K, V, _sm_count(device))[0] == "ws")
 
 
+def fused_pays(num_walks: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
+    """Whether the backward runs ``chunk_bwd_fused`` (``traits.BWD_FUSED``, K = V = 128)
+    for ``num_walks`` sequences or segments of about equal length: per chunk of a walk,
+    the fused kernel costs a step per wave of its (walk, value head) CTAs, the two-kernel
+    path a sweep step per wave plus the per-chunk kernel's CTAs spread over the SMs::
+
+        fused_step * waves  <  sweep_step * waves + intra_cta * walks * Hv / SMs
+
+    (``traits.BWD_FUSED_STEP_US``, ``BWD_SWEEP_STEP_US``, ``BWD_INTRA_CTA_US``): the
+    fused kernel wins from about 100 CTAs on the H200 (one sequence at 16 heads runs
+    the two kernels, the bounded split's segments at 16 heads the fused one)."""
+    if not traits.BWD_FUSED or not dh_aux_warpgroup(K, V) or num_walks * Hv == 0:
+        return False
+    ctas = num_walks * Hv
+    waves = -(-ctas // sm_count)
+    return (traits.BWD_FUSED_STEP_US * waves
+            < traits.BWD_SWEEP_STEP_US * waves + traits.BWD_INTRA_CTA_US * ctas / sm_count)
+
+
 def dh_aux_warpgroup(K: int, V: int) -> bool:
     """Whether the reverse sweep runs ``chunk_bwd_dh_ws`` (``traits.BWD_DH_AUX_WARPGROUP``,
     K = V = 128) rather than ``chunk_bwd_dh``."""
@@ -176,7 +195,8 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
             initial_state=initial_state, alloc=torch.empty,     # o: not computed
             num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=starts,
             h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)    # h [NT,Hv,K,V]
-    if traits.BWD_FUSED and dh_aux_warpgroup(q.shape[-1], v.shape[-1]):
+    if fused_pays(p.layout.num_seqs, v.shape[2], q.shape[-1], v.shape[-1],
+                  _sm_count(q.device)):
         from .chunk_bwd_fused import fused_grads
 
         _, ends_dS = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
@@ -212,8 +232,8 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
     if h is None:
         h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
                          h_in_dtype=in_dtype, **common)
-    if (use_dh_kernel and use_intra_kernel and traits.BWD_FUSED
-            and dh_aux_warpgroup(q.shape[-1], v.shape[-1])):
+    if use_dh_kernel and use_intra_kernel and fused_pays(
+            p.layout.num_seqs, v.shape[2], q.shape[-1], v.shape[-1], _sm_count(q.device)):
         from .chunk_bwd_fused import fused_grads
 
         *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht,
