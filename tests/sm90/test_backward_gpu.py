@@ -124,19 +124,26 @@ def test_kept_chunk_states_give_the_recomputed_gradients(case, segment_len, monk
         assert torch.equal(kept[name], recomputed[name]), name
 
 
-def test_bounded_training_step_inside_graph_capture(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
+def test_bounded_training_step_inside_graph_capture(monkeypatch, fused):
     """The whole training step (forward with grad + every gradient) of a dense input
     captured as one CUDA graph runs the bounded split both ways (the backward's split
     is planned from the shape, the same at every replay); a replay on fresh inputs
     gives the eager step's gradients on them, bitwise, and those match the fp64
-    recurrence."""
+    recurrence. ``fused``: the backward's kernels are the boundary sweep and
+    ``chunk_bwd_fused`` (forced: at this size the cost model keeps the two kernels)."""
     from flash_qla import api
+    from flash_qla_sm90.kernels import chunk_bwd_fused, traits
 
     case = Case(1, 8192, 2, 4)                       # the planner splits it (512 tokens)
-    bounded = []
+    bounded, fused_runs = [], []
     real = api.warmup_bwd
     monkeypatch.setattr(api, "warmup_bwd", lambda *a, **kw: (bounded.append(1),
                                                              real(*a, **kw))[1])
+    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0 if fused else 1e9)
+    real_fused = chunk_bwd_fused.fused_grads
+    monkeypatch.setattr(chunk_bwd_fused, "fused_grads", lambda *a, **kw: (
+        fused_runs.append(1), real_fused(*a, **kw))[1])
     leaves = {n: t.detach().clone().requires_grad_(True)
               for n, t in make_inputs(case, seed=3).items() if n != "cu_seqlens"}
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -162,6 +169,7 @@ def test_bounded_training_step_inside_graph_capture(monkeypatch):
     torch.cuda.synchronize()
     eager = step()
     assert bounded == [1, 1, 1]                      # warm-up, capture, eager
+    assert fused_runs == ([1, 1, 1] if fused else [])
     ref = _reference_grads(fresh, do.float(), dht)
     for name, got, want in zip(leaves, captured, eager):
         assert torch.equal(got, want), name

@@ -75,15 +75,18 @@ def test_every_variant_is_listed_for_the_shipped_cache():
     # x store_h, the backward's states-only ws x has_h0 x (warm-up, unsplit) x h dtype,
     # the training forward keeping h in dtype (with o) x has_h0 x (warm-up, unsplit),
     # the dh sweep (below), intra x state dtype (dq / dk per head in q's dtype with
-    # BWD_GVA_GRADS_IN_DTYPE, else also in fp32), the group sum (with it)
+    # BWD_GVA_GRADS_IN_DTYPE, else also in fp32), the group sum (with it), the fused
+    # reverse kernel
     if traits.BWD_DH_AUX_WARPGROUP:          # chunk_bwd_dh_ws x has_dht x 4 flag sets
         dh = 8
     else:                                    # chunk_bwd_dh x has_dht x tiling (+ warm-up
         dh = 2 * (1 + traits.FWD_NARROW_TILING) + 8 * warmup   # x 2 tilings x dS1 dtype)
     intra = 2 * (1 + (not traits.BWD_GVA_GRADS_IN_DTYPE))
     group_sum = int(traits.BWD_GVA_GRADS_IN_DTYPE)     # the GVA sum of per-head dq / dk
+    # the fused reverse kernel x has_dht (x dq / dk dtype as intra), its boundary sweep
+    fused = (intra + 2) * traits.BWD_FUSED
     assert len(names) == len(traits.DTYPES) * (1 + 4 * fwd_tilings + 16 * warmup + dh + intra
-                                               + group_sum)
+                                               + group_sum + fused)
 
 
 def test_experimental_variants_add_the_kernels_that_are_off():
@@ -133,9 +136,11 @@ def test_aux_warpgroup_forward_never_serialises_its_roles():
     assert "tma_load" in src and "cp_async" not in src  # the aux's tiles arrive by TMA
 
 
-def _shared_spans(compiled) -> dict:
+def _shared_spans(compiled, allow=()) -> dict:
     """``{buffer: (first byte, end)}`` of a compiled kernel's dynamic shared memory: the
-    offsets from the generated CUDA, the sizes from the buffers' shapes in its TIR."""
+    offsets from the generated CUDA, the sizes from the buffers' shapes in its TIR
+    (``allow``: buffers TileLang adds while lowering, e.g. reduction workspaces, left
+    out)."""
     import math
 
     import tvm
@@ -151,6 +156,7 @@ def _shared_spans(compiled) -> dict:
                 sizes[buf.name] = math.prod(int(x) for x in buf.shape) * buf.dtype.bits // 8
 
     tvm.tirx.stmt_functor.post_order_visit(compiled.prim_func.body, visit)
+    offsets = {name: off for name, off in offsets.items() if name not in allow}
     assert set(offsets) <= set(sizes), (offsets, sizes)        # unused buffers get no bytes
     return {name: (off, off + sizes[name]) for name, off in offsets.items()}
 
@@ -179,6 +185,38 @@ def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out, tmp
     static = int(re.search(r"(\d+) bytes smem", _ptxas_report(src, tmp_path)).group(1))
     dynamic = max(_dynamic_smem(builder(*args).get_host_source()))
     assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
+
+
+def test_fused_reverse_kernel_roles_keep_to_their_own_resources(tmp_path):
+    """chunk_bwd_fused: four warpgroups by role meeting on mbarriers. Every shared buffer
+    has bytes of its own (reuse is off: role blocks run at once) and they fit the sm_90
+    block with the mbarriers; the cross-warp reductions (TileLang's, named barriers 1
+    and 2) are all in the intra role's block, so no two roles meet on those ids; tiles
+    load by TMA; ptxas keeps every WGMMA chain in flight."""
+    from flash_qla_sm90.kernels import chunk_bwd_fused
+
+    builder, args = _variant("bwd_fused")
+    compiled = builder(*args)
+    src = compiled.get_kernel_source()
+    offsets = sorted((int(off), name) for name, off in re.findall(
+        r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src))
+    reductions = [name for _, name in offsets if name.startswith("workspace")]
+    assert len(reductions) == 2                  # the intra role's two column sums
+    spans = _shared_spans(compiled, allow=reductions)
+    ends = [spans.get(name, (off, off + 1))[1] for off, name in offsets]
+    assert all(end <= nxt for end, (nxt, _) in zip(ends, offsets[1:])), offsets
+    report = _ptxas_report(src, tmp_path)
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
+    dynamic = max(_dynamic_smem(compiled.get_host_source()))
+    assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
+    assert "C7512" not in report and "serialized" not in report
+    blocks = re.split(r"tl::warpgroup_reg_(?:alloc|dealloc)<(\d+)>", src)
+    regs = [int(r) for r in blocks[1::2]]
+    assert regs == [chunk_bwd_fused.INTRA_REGS, chunk_bwd_fused.CHAIN_REGS,
+                    chunk_bwd_fused.STATE_REGS, chunk_bwd_fused.LOAD_REGS]
+    cross_warp = [len(re.findall(r"AllReduce<tl::SumOp, (?:64|128),", b)) for b in blocks[::2]]
+    assert cross_warp[1] > 0 and sum(cross_warp) == cross_warp[1], cross_warp  # intra only
+    assert src.count("__syncthreads()") == 1 and "tma_load" in src and "cp_async" not in src
 
 
 def test_states_only_forward_skips_o():
@@ -254,6 +292,9 @@ _VARIANTS = {
     "bwd_intra_dtype": ("chunk_bwd_intra", "chunk_bwd_intra_kernel", (*_DIMS, True)),
     "bwd_intra_states_dtype": ("chunk_bwd_intra", "chunk_bwd_intra_kernel",
                                (*_DIMS, True, True)),
+    "bwd_dh_ws_boundary": ("chunk_bwd_dh_ws", "chunk_bwd_dh_ws_kernel",
+                           (*_DIMS, True, True, False, True)),
+    "bwd_fused": ("chunk_bwd_fused", "chunk_bwd_fused_kernel", (*_DIMS, True, True)),
 }
 
 

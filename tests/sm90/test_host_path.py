@@ -31,7 +31,14 @@ def sm90_without_launches(monkeypatch):
     """``flash_qla.chunk_gated_delta_rule`` on CPU tensors through the sm90 host path,
     with every kernel builder returning a launcher that does nothing (132 SMs)."""
     from flash_qla import api
-    from flash_qla_sm90.kernels import Sm90Kernels, backward, chunk_bwd_intra, forward, launch
+    from flash_qla_sm90.kernels import (
+        Sm90Kernels,
+        backward,
+        chunk_bwd_fused,
+        chunk_bwd_intra,
+        forward,
+        launch,
+    )
 
     def builder(*static):
         return lambda *args: None
@@ -39,7 +46,8 @@ def sm90_without_launches(monkeypatch):
     for module, names in ((forward, ("chunk_fwd_kernel", "chunk_fwd_t_kernel",
                                      "chunk_fwd_ws_kernel")),
                           (backward, ("chunk_bwd_dh_kernel", "chunk_bwd_dh_ws_kernel")),
-                          (chunk_bwd_intra, ("chunk_bwd_intra_kernel", "group_sum_kernel"))):
+                          (chunk_bwd_intra, ("chunk_bwd_intra_kernel", "group_sum_kernel")),
+                          (chunk_bwd_fused, ("chunk_bwd_fused_kernel",))):
         for name in names:
             monkeypatch.setattr(module, name, builder)
     for table in (forward.TRANSPOSED_KERNELS, forward.PREPARE_KERNELS):
@@ -387,3 +395,46 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
                                   cu_seqlens_cpu=cu, ds1_in_dtype=True, packed=p)
     assert launched["fwd"][12].shape[0] == 1 and h.shape == (0, 2, 128, 128)
     assert launched["sweep"][10].shape[0] == 1 and dS1.shape == (0, 2, 128, 128)
+
+
+@pytest.mark.parametrize("B, T, H, path", [(4, 2048, 16, "chunk_bwd"),
+                                           (1, 8192, 4, "chunk_bwd_warmup")])
+def test_fused_backward_launches(sm90_without_launches, monkeypatch, B, T, H, path):
+    """Where ``backward.fused_pays``: the unsplit backward launches ``chunk_bwd_fused`` (h in q's
+    dtype, the caller's dht) instead of the sweep and the per-chunk kernel; the bounded
+    split (1 x 8192 at 4 heads) launches the boundary sweep (no dS1, dS at each segment's
+    end) and then the fused kernel from those states."""
+    import flash_qla
+    from flash_qla_sm90.kernels import backward, chunk_bwd_fused, chunk_bwd_intra, traits
+
+    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0)   # fused wherever it can run
+    launched = []
+    for name, module in (("backward", backward), ("chunk_bwd_intra", chunk_bwd_intra),
+                         ("chunk_bwd_fused", chunk_bwd_fused)):
+        real = module.launcher
+
+        def spy(builder, *static, real=real, name=name):
+            run = real(builder, *static)
+            return lambda *args: (launched.append((name, static, args)), run(*args))[1]
+
+        monkeypatch.setattr(module, "launcher", spy)
+    (q, k, v, g, beta, h0), do, dht = _inputs(B, T, H, requires_grad=True)
+    o, final = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                output_final_state=True)
+    torch.autograd.backward([o, final], [do, dht])
+    assert sm90_without_launches == [path]
+    names = [name for name, _, _ in launched]
+    fused = launched[-1]
+    assert fused[1] == ("bfloat16", 128, 128, True, True)        # dht, dq / dk in dtype
+    assert fused[2][7].dtype == q.dtype                          # h
+    N = fused[2][17].shape[0]                                    # dh0 rows
+    assert fused[2][10].shape == (N, H, 128, 128) == fused[2][17].shape   # dht per walk
+    if path == "chunk_bwd":
+        assert names == ["chunk_bwd_fused"] and N == B
+        assert fused[2][10] is not fused[2][17]
+    else:
+        sweep = launched[0]
+        assert names == ["backward", "chunk_bwd_fused"]             # the sweep, fused
+        assert sweep[1][3:] == (True, True, False, True)          # dht, warm-up, boundary
+        assert sweep[2][11] is fused[2][10] and N > 1             # its dh0 starts the walks
+    assert q.grad.shape == q.shape and g.grad.shape == g.shape

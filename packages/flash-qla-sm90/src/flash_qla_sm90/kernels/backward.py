@@ -103,6 +103,25 @@ def states_in_dtype(layout: ChunkLayout, Hv: int, K: int, V: int, device) -> boo
             and fused_plan(layout.num_seqs, Hv, K, V, _sm_count(device))[0] == "ws")
 
 
+def fused_pays(num_walks: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
+    """Whether the backward runs ``chunk_bwd_fused`` (``traits.BWD_FUSED``, K = V = 128)
+    for ``num_walks`` sequences or segments of about equal length: per chunk of a walk,
+    the fused kernel costs a step per wave of its (walk, value head) CTAs, the two-kernel
+    path a sweep step per wave plus the per-chunk kernel's CTAs spread over the SMs::
+
+        fused_step * waves  <  sweep_step * waves + intra_cta * walks * Hv / SMs
+
+    (``traits.BWD_FUSED_STEP_US``, ``BWD_SWEEP_STEP_US``, ``BWD_INTRA_CTA_US``): the
+    fused kernel wins from about 100 CTAs on the H200 (one sequence at 16 heads runs
+    the two kernels, the bounded split's segments at 16 heads the fused one)."""
+    if not traits.BWD_FUSED or not dh_aux_warpgroup(K, V) or num_walks * Hv == 0:
+        return False
+    ctas = num_walks * Hv
+    waves = -(-ctas // sm_count)
+    return (traits.BWD_FUSED_STEP_US * waves
+            < traits.BWD_SWEEP_STEP_US * waves + traits.BWD_INTRA_CTA_US * ctas / sm_count)
+
+
 def dh_aux_warpgroup(K: int, V: int) -> bool:
     """Whether the reverse sweep runs ``chunk_bwd_dh_ws`` (``traits.BWD_DH_AUX_WARPGROUP``,
     K = V = 128) rather than ``chunk_bwd_dh``."""
@@ -110,13 +129,16 @@ def dh_aux_warpgroup(K: int, V: int) -> bool:
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu,
-                ends=None, ds1_in_dtype: bool = False, packed: Packed | None = None):
+                ends=None, ds1_in_dtype: bool = False, boundary: bool = False,
+                packed: Packed | None = None):
     """The reverse sweep on the GPU: ``(dS1 [NT, Hv, K, V], dh0 [N, Hv, K, V])`` fp32.
     With ``ends`` (``flash_qla.segments.WalkEnds``, ``cu_seqlens`` the segments): the
     bounded split's sweep (the sweep kernel with ``warmup``, which searches each walk's
     end itself), dh0 per segment. ``ds1_in_dtype`` stores dS1 in q's dtype instead of
     fp32 (the bounded sweep, or ``chunk_bwd_dh_ws``). The kernel: :func:`dh_aux_warpgroup`.
-    ``packed``: the same inputs already packed (:func:`pack`)."""
+    ``packed``: the same inputs already packed (:func:`pack`). ``boundary`` (with
+    ``ends``, ``chunk_bwd_dh_ws``): only the warm-up walks after each segment; returns
+    ``(None, dS at each segment's end [N, Hv, K, V])``, the fused kernel's start states."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
     p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens)
     layout = p.layout
@@ -124,7 +146,10 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     if ds1_in_dtype and not (warmup or dh_aux_warpgroup(K, V)):
         raise ValueError("ds1_in_dtype: only the bounded split's sweep (ends) and "
                          "chunk_bwd_dh_ws store dS1 in q's dtype")
-    NT = total_chunks(layout, cu_seqlens_cpu)
+    if boundary and (ds1_in_dtype or not (warmup and dh_aux_warpgroup(K, V))):
+        raise ValueError("boundary: only the bounded split's chunk_bwd_dh_ws sweep (ends, "
+                         "K = V = 128), dS1 not stored")
+    NT = 0 if boundary else total_chunks(layout, cu_seqlens_cpu)
     # at least one row: dS1 in q's dtype leaves by TMA (every descriptor dimension >= 1;
     # a varlen batch of empty sequences has no chunk); the extra row is never written
     dS1 = torch.empty(max(NT, 1), Hv, K, V,
@@ -132,7 +157,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
     walks = _walk_args(ends, q.device)
-    flags = static_flags(warmup, ds1_in_dtype)          # the shipped cache's exact keys
+    flags = static_flags(warmup, ds1_in_dtype, boundary)   # the shipped cache's exact keys
     if dh_aux_warpgroup(K, V):
         kernel = launcher(chunk_bwd_dh_ws_kernel, _DTYPE_NAMES[q.dtype], K, V, has_dht, *flags)
     else:
@@ -142,7 +167,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
         kernel = launcher(chunk_bwd_dh_kernel, _DTYPE_NAMES[q.dtype], K, V, has_dht, *statics)
     kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0, *walks)
-    return dS1[:NT], dh0
+    return (None if boundary else dS1[:NT]), dh0
 
 
 @_fp32_beta
@@ -170,6 +195,15 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
             initial_state=initial_state, alloc=torch.empty,     # o: not computed
             num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=starts,
             h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)    # h [NT,Hv,K,V]
+    if fused_pays(p.layout.num_seqs, v.shape[2], q.shape[-1], v.shape[-1],
+                  _sm_count(q.device)):
+        from .chunk_bwd_fused import fused_grads
+
+        _, ends_dS = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
+                                 boundary=True, packed=p, **common)
+        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=ends_dS,
+                                  packed=p, **common)
+        return (*grads, dh0 if initial_state is not None else None)
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
                            ds1_in_dtype=traits.BWD_STATES_IN_DTYPE, packed=p,
                            **common)
@@ -198,6 +232,13 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
     if h is None:
         h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
                          h_in_dtype=in_dtype, **common)
+    if use_dh_kernel and use_intra_kernel and fused_pays(
+            p.layout.num_seqs, v.shape[2], q.shape[-1], v.shape[-1], _sm_count(q.device)):
+        from .chunk_bwd_fused import fused_grads
+
+        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht,
+                                  packed=p, **common)
+        return (*grads, dh0 if initial_state is not None else None)
     dS1 = dh0 = None
     if use_dh_kernel:
         dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p,

@@ -44,12 +44,16 @@ assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
 @tilelang.jit(target=TARGET, pass_configs={
     **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bool = False,
-                           ds1_in_dtype: bool = False):
+                           ds1_in_dtype: bool = False, boundary: bool = False):
     """Build the sweep; kernel arguments, ``warmup`` and ``ds1_in_dtype`` exactly as
     :func:`chunk_bwd_dh.chunk_bwd_dh_kernel` (no ``block_v``: one CTA owns all V
-    columns; K = V = 128)."""
+    columns; K = V = 128). ``boundary`` (with ``warmup``): each CTA walks only the
+    warm-up chunks after its segment and stores no dS1; ``dh0[n]`` is then the state
+    gradient at segment n's end (where ``chunk_bwd_fused``'s walk of the segment
+    starts)."""
     C = CHUNK
     assert K == V == 2 * C
+    assert warmup or not boundary
     Tt, Hk, Hv, N, N0, N1, NT, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW")
     f32 = "float32"
     ds1_dtype = dtype if ds1_in_dtype else f32
@@ -123,6 +127,9 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                 out_eos = T.alloc_var("int32", init=bos + seq_len)   # the segment's end
                 eos = T.alloc_var("int32", init=seq_end[n])          # the sequence's end
                 seq_len = search_walk_end(g_cumsum, h, out_eos, eos, log_bound) - bos
+                if boundary:                         # the warm-up chunks only
+                    seq_len = bos + seq_len - out_eos
+                    bos = out_eos
             last = T.alloc_var("int32", init=bos + seq_len - 1)
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])   # row of dS1
             chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))

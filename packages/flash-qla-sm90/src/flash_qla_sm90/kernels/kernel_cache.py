@@ -42,6 +42,7 @@ def variants(experimental: bool = False):
     from . import traits
     from .chunk_bwd_dh import chunk_bwd_dh_kernel
     from .chunk_bwd_dh_ws import chunk_bwd_dh_ws_kernel
+    from .chunk_bwd_fused import chunk_bwd_fused_kernel
     from .chunk_bwd_intra import chunk_bwd_intra_kernel, group_sum_kernel
     from .chunk_fwd import chunk_fwd_kernel
     from .chunk_fwd_ws import chunk_fwd_ws_kernel
@@ -97,6 +98,13 @@ def variants(experimental: bool = False):
                         qk_in_dtype, states_in_dtype))
             if traits.BWD_GVA_GRADS_IN_DTYPE:                   # the GVA sum of dq, dk
                 yield group_sum_kernel, (dtype, K)
+            if (K, V) == (128, 128) and (traits.BWD_FUSED or experimental):
+                for qk_in_dtype in (True,) if traits.BWD_GVA_GRADS_IN_DTYPE else (False, True):
+                    for has_dht in (False, True):
+                        yield chunk_bwd_fused_kernel, (dtype, K, V, has_dht,
+                                                       *static_flags(qk_in_dtype))
+                for has_dht in (False, True):    # the bounded split's boundary sweep
+                    yield chunk_bwd_dh_ws_kernel, (dtype, K, V, has_dht, True, False, True)
 
 
 def _transposed_builders(K: int, V: int, experimental: bool) -> tuple:

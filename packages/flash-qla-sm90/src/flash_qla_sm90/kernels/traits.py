@@ -185,6 +185,22 @@ BWD_DH_AUX_WARPGROUP = True
 #: tests 62 + 8 passed). False restores fp32 states on both paths.
 BWD_STATES_IN_DTYPE = True
 
+#: Run the reverse sweep and the per-chunk gradients as one kernel (``chunk_bwd_fused``:
+#: one CTA per (sequence or segment, value head), four warpgroups by role) instead of
+#: ``chunk_bwd_dh_ws`` + ``chunk_bwd_intra`` where ``backward.fused_pays`` says it is
+#: cheaper (K = V = 128). Verified on an H200 2026-12-01 (v19 call 3,
+#: tests/sm90/test_bwd_fused_gpu.py: 26 passed).
+BWD_FUSED = True
+
+#: The cost model of that choice, us (H200, v19 call 3, ``benchmark/tune_chunk_bwd.py``):
+#: one chunk step of the fused kernel's CTA (16.4-17.7 at 128-256 CTAs); one chunk step
+#: of ``chunk_bwd_dh_ws`` (2.7: 2/8 1x32768, two-kernel 1.92 ms less the intra kernel's
+#: share); one ``chunk_bwd_intra`` CTA (one per chunk and value head, one per SM: 16.9,
+#: v19 call 1's profile, 1045 us / 62 waves at 4/16 1x32768).
+BWD_FUSED_STEP_US = 17.0
+BWD_SWEEP_STEP_US = 2.7
+BWD_INTRA_CTA_US = 16.9
+
 #: ``chunk_bwd_intra`` writes the per-value-head dq, dk in q's dtype under GVA too (Hv > Hk);
 #: the G = Hv / Hk heads of each q/k head are then summed by ``group_sum_kernel`` (one
 #: pass, fp32 accumulation, q's dtype out). False: per-head fp32, summed by torch (twice the bytes

@@ -1,0 +1,499 @@
+"""Fused reverse kernel: the state-gradient sweep and every per-chunk gradient in one CTA.
+
+Replaces ``chunk_bwd_dh_ws`` (dS1 to global memory) + ``chunk_bwd_intra`` (dS1 back,
+one CTA per chunk) where the chunk states come in q's dtype. One CTA per (sequence or
+segment, value head) walks its chunks from the last to the first with the state gradient
+dS^T ``[V, K]`` in fp32 registers; per chunk, the math of ``chunk_bwd_intra`` (its
+docstring, gdn-math.md "Backward of one chunk") is split over four warpgroups by role,
+which exchange tiles only through shared memory and meet on mbarriers (the plan checked
+by ``tests/sm90/test_bwd_fused_algorithm.py``; FlashQLA 0.1.3's backward has the same
+structure, docs/perf-notes.md v12):
+
+- warpgroup 3, load: q, k, dO, v, A and S0 (h in q's dtype) by TMA from one thread,
+  rows past the sequence's end zeroed, the gate factors; and ``<S0, dS1>`` (for dg)
+  from the two shared tiles while the others compute;
+- warpgroup 0, state: dS1 (its registers) to shared memory in q's dtype; then
+  ``dS0^T = exp(gam_C) dS1^T + (scale E dO)^T Q + (-E dX)^T K`` once both tiles exist;
+- warpgroup 1, chain: Q K^T, Ps = scale G * tril(Q K^T), Ag, G; ``dU = D (K dS1) + Ps^T
+  dO``; ``dX = Ag^T dU`` (= dv) and -E dX; ``A^T M``, ``dN``, ``diag(beta) dN``, ``<dN, K
+  K^T>``; ``dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K`` and ``dD``;
+- warpgroup 2, intra: ``X = V - E K S0``, ``U = Ag X``, ``dAg = dU X^T`` (M, dbeta's
+  first term, M * A), ``dP = dO U^T`` (dP G, dGG), ``<-E dX, K S0>``, scale E dO,
+  ``dq = (scale E dO) S0^T + (dP G) K`` and ``<Q, (scale E dO) S0^T>``, dbeta, dg.
+
+Row factors are moved onto the products where their tiles are:
+``<dO_i, (Q S0)_i> scale E_i = <Q_i, (scale E dO S0^T)_i>`` (dq's first product) and
+``dD_i = D_i <(K dS1)_i, U_i> = D_i <K_i, (U dS1^T)_i>`` (dk's first product), so no
+Q S0 product is formed. ``dGG``'s ``dP * G * Q K^T`` is ``dP * Ps`` (Ps kept in q's
+dtype).
+
+Every tile has one shared slot (no double buffer: 216 KB of slots), so the next chunk's
+tiles load once every role is done with the chunk ("free", 384 arrivals); the hand-offs
+within a chunk are one mbarrier each (128 arrivals of the writing role), all of phase
+``r % 2`` for the walk's r-th chunk. Every role runs the chunks in the same order and
+none can pass "free", so no barrier is arrived at twice before it is waited for.
+TileLang's automatic synchronisation and shared-memory reuse are off: every barrier is
+written out, and no two buffers share bytes (the planner reuses bytes by program order,
+which role blocks running at once do not follow; perf-notes v17). Cross-thread
+reductions (TileLang's, named barriers 1 and 2) run in the intra role only; the roles'
+own named barriers are 3 and up.
+"""
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from .launch import launcher
+from .tile_ops import LOG2E
+from .traits import CHUNK, PASS_CONFIGS, TARGET
+
+#: setmaxnreg budgets per role (warpgroups 0..3). The launch gives 512 threads 128
+#: registers each; the four budgets must sum to at most 4 x 128.
+STATE_REGS, CHAIN_REGS, INTRA_REGS, LOAD_REGS = 160, 160, 168, 24
+assert STATE_REGS + CHAIN_REGS + INTRA_REGS + LOAD_REGS <= 4 * 128
+#: named barriers of the roles' own threads (0 is __syncthreads', 1 and 2 TileLang's
+#: cross-thread reductions, which only the intra role runs)
+CHAIN_BAR, INTRA_BAR, LOAD_BAR = 3, 4, 5
+
+
+@tilelang.jit(target=TARGET, pass_configs={
+    **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+    tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True})
+def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
+                           qk_grads_in_dtype: bool = False):
+    """Build the fused reverse kernel for q/k/v dtype ``dtype``, K = V = 128.
+
+    ``has_dht``: the walk starts from ``dht[n]`` (else from zero). ``qk_grads_in_dtype``:
+    dq, dk (per value head) are written in ``dtype``, else in fp32 (as
+    ``chunk_bwd_intra_kernel``).
+
+    Kernel arguments (packed token layout, Tt = total tokens, N sequences or segments,
+    NT chunk rows of h):
+        q, k            [Tt, Hk, K]     dtype
+        v, do           [Tt, Hv, V]     dtype
+        g_cumsum, beta  [Tt, Hv]        fp32
+        A               [Tt, Hv, C]     dtype, gate-free inverse per chunk row
+        h               [NT, Hv, K, V]  dtype, chunk-start states (rows from
+                                        chunk_offsets[n] for sequence n)
+        cu_seqlens      [N+1]           int32
+        chunk_offsets   [N+1]           int32
+        dht             [N0, Hv, K, V]  fp32, state gradient at each sequence's end
+        scale           fp32 scalar
+        dq, dk          [NG, Tt, Hk, K] fp32 (or dtype) out, per value head hv = hk * NG
+                                        + g at [g, :, hk] (group-major)
+        dv              [Tt, Hv, V]     dtype out
+        dbeta, dg       [Tt, Hv]        fp32 out (dg w.r.t. the raw per-token gate)
+        dh0             [N, Hv, K, V]   fp32 out, state gradient at each start
+    Only rows of real tokens are written."""
+    C = CHUNK
+    assert K == V == 2 * C       # <S0, dS1> row sums folded onto the C rows of dg's sum
+    Tt, Hk, Hv, NG, N, N0, N1, NT = T.dynamic("Tt, Hk, Hv, NG, N, N0, N1, NT")
+    f32 = "float32"
+    qk_grad = dtype if qk_grads_in_dtype else f32
+
+    @T.prim_func
+    def chunk_bwd_fused(
+        q: T.Tensor((Tt, Hk, K), dtype),
+        k: T.Tensor((Tt, Hk, K), dtype),
+        v: T.Tensor((Tt, Hv, V), dtype),
+        do: T.Tensor((Tt, Hv, V), dtype),
+        g_cumsum: T.Tensor((Tt, Hv), f32),
+        beta: T.Tensor((Tt, Hv), f32),
+        A: T.Tensor((Tt, Hv, C), dtype),
+        h: T.Tensor((NT, Hv, K, V), dtype),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        dht: T.Tensor((N0, Hv, K, V), f32),
+        scale: T.float32,
+        dq: T.Tensor((NG, Tt, Hk, K), qk_grad),
+        dk: T.Tensor((NG, Tt, Hk, K), qk_grad),
+        dv: T.Tensor((Tt, Hv, V), dtype),
+        dbeta: T.Tensor((Tt, Hv), f32),
+        dg: T.Tensor((Tt, Hv), f32),
+        dh0: T.Tensor((N, Hv, K, V), f32),
+    ):
+        with T.Kernel(N * Hv, threads=512) as bx:
+            # one slot per tile (several tiles share a slot one after the other)
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            do_s = T.alloc_shared((C, V), dtype)     # dO, then scale E dO
+            vx_s = T.alloc_shared((C, V), dtype)     # V, then X = V - E K S0
+            s0_s = T.alloc_shared((K, V), dtype)
+            ds1_s = T.alloc_shared((K, V), dtype)
+            u_s = T.alloc_shared((C, V), dtype)      # U = Ag X
+            du_s = T.alloc_shared((C, V), dtype)     # dU
+            edx_s = T.alloc_shared((C, V), dtype)    # -E dX
+            a_s = T.alloc_shared((C, C), dtype)      # A
+            p_s = T.alloc_shared((C, C), dtype)      # Ps = scale P, then dP * G
+            ag_s = T.alloc_shared((C, C), dtype)     # Ag, then diag(beta) dN
+            m_s = T.alloc_shared((C, C), dtype)      # M, then A^T M
+            g_s = T.alloc_shared((C, C), dtype)      # G, masked
+            # per-row vectors (fp32)
+            gam_s = T.alloc_shared((C,), f32)        # log2-scaled chunk cumsum
+            eg_s = T.alloc_shared((C,), f32)         # exp(gam)
+            ed_s = T.alloc_shared((C,), f32)         # exp(gam_C - gam)
+            beta_s = T.alloc_shared((C,), f32)
+            vec_s = T.alloc_shared((8, C), f32)      # per-row terms of dbeta, dg
+            ss_s = T.alloc_shared((K,), f32)         # row sums of S0 * dS1
+            dgam_s = T.alloc_shared((C,), f32)
+            # load role
+            ss_f = T.alloc_fragment((K,), f32)
+            # state role
+            dst = T.alloc_fragment((V, K), f32)      # dS^T
+            # chain role
+            qk = T.alloc_fragment((C, C), f32)       # Q K^T, Ps; A^T M; A^T M A^T
+            gb = T.alloc_fragment((C, C), f32)       # G; K K^T
+            cv = T.alloc_fragment((C, V), f32)       # dU; dX; dk
+            cv2 = T.alloc_fragment((C, V), f32)      # dk's first product times K
+            r_dn = T.alloc_fragment((C,), f32)
+            r_dd = T.alloc_fragment((C,), f32)
+            # intra role
+            ks0 = T.alloc_fragment((C, V), f32)      # K S0
+            iv = T.alloc_fragment((C, V), f32)       # X; U; dq
+            iv2 = T.alloc_fragment((C, V), f32)      # -E dX * K S0; dq's first times Q
+            dag = T.alloc_fragment((C, C), f32)      # dAg; dP
+            dgg = T.alloc_fragment((C, C), f32)      # dGG
+            cc = T.alloc_fragment((C, C), f32)       # dAg * G * A; dg's sum
+            r_ks = T.alloc_fragment((C,), f32)
+            c_dba = T.alloc_fragment((C,), f32)
+            r_dgg = T.alloc_fragment((C,), f32)
+            c_dgg = T.alloc_fragment((C,), f32)
+            r_qs = T.alloc_fragment((C,), f32)
+            r_dg = T.alloc_fragment((C,), f32)
+
+            n = T.alloc_var("int32", init=bx // Hv)
+            hh = T.alloc_var("int32", init=bx % Hv)
+            hk = T.alloc_var("int32", init=hh // NG)         # GVA: value -> q/k head
+            gv = T.alloc_var("int32", init=hh - hk * NG)     # its place in the group
+            bos = T.alloc_var("int32", init=cu_seqlens[n])
+            seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
+            first_chunk = T.alloc_var("int32", init=chunk_offsets[n])
+            chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
+
+            loaded = T.alloc_barrier(128)      # TMA -> load (128 arrivals + bytes)
+            ready = T.alloc_barrier(128)       # load -> all: tiles, zeroed rows, gates
+            pag = T.alloc_barrier(128)         # chain -> intra: Ag, G (and Ps)
+            ds1_b = T.alloc_barrier(128)       # state -> chain, load: dS1 tile
+            du_b = T.alloc_barrier(128)        # chain -> intra: dU
+            edx_b = T.alloc_barrier(128)       # chain -> intra, state: -E dX
+            m_b = T.alloc_barrier(128)         # intra -> chain: M
+            dpg_b = T.alloc_barrier(128)       # intra -> chain: dP * G
+            sedo_b = T.alloc_barrier(128)      # intra -> state: scale E dO
+            ss_b = T.alloc_barrier(128)        # load -> intra: <S0, dS1> rows
+            chain_end = T.alloc_barrier(128)   # chain -> intra: dD, dN rows
+            free = T.alloc_barrier(384)        # state, chain, intra -> load: chunk done
+
+            with T.ws(2):                                         # intra
+                T.inc_max_nreg(INTRA_REGS)
+                for r in T.serial(chunks):
+                    c = chunks - 1 - r
+                    t0 = bos + c * C
+                    rows = T.min(seq_len - c * C, C)
+                    ph = r % 2
+                    T.barrier_wait(ready, ph)
+                    # X = V - E K S0 (K S0 kept for <-E dX, K S0>)
+                    T.gemm(k_s, s0_s, ks0, clear_accum=True)                      # K S0
+                    T.copy(vx_s, iv)
+                    for i, j in T.Parallel(C, V):
+                        iv[i, j] = iv[i, j] - eg_s[i] * ks0[i, j]
+                    T.copy(iv, vx_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(INTRA_BAR, 128)
+                    # U = Ag X
+                    T.barrier_wait(pag, ph)
+                    T.gemm(ag_s, vx_s, iv, clear_accum=True)                       # U
+                    T.copy(iv, u_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(INTRA_BAR, 128)
+                    # dAg = dU X^T: M, dbeta's first term, dGG's M * A
+                    T.barrier_wait(du_b, ph)
+                    T.gemm(du_s, vx_s, dag, transpose_B=True, clear_accum=True)    # dAg
+                    for i, j in T.Parallel(C, C):
+                        dagg = dag[i, j] * g_s[i, j]                # dAg * G (0: masked)
+                        a = T.cast(a_s[i, j], f32)
+                        dag[i, j] = dagg * beta_s[j]                                 # M
+                        cc[i, j] = dagg * a
+                        dgg[i, j] = dagg * a * beta_s[j]                             # M * A
+                    T.copy(dag, m_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(m_b)
+                    T.reduce_sum(cc, c_dba, dim=0, batch=4)
+                    for j in T.Parallel(C):
+                        vec_s[2, j] = c_dba[j]                                    # dbeta
+                    # dP = dO U^T: dP * G (in Ps's slot), dGG += dP * Ps
+                    T.gemm(do_s, u_s, dag, transpose_B=True, clear_accum=True)     # dP
+                    for i, j in T.Parallel(C, C):
+                        ps = T.cast(p_s[i, j], f32)
+                        dgg[i, j] = dgg[i, j] + dag[i, j] * ps
+                        dag[i, j] = dag[i, j] * scale * T.cast(g_s[i, j], f32)   # dP * G
+                    T.sync_threads(INTRA_BAR, 128)          # every Ps read before it goes
+                    T.copy(dag, p_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dpg_b)
+                    T.reduce_sum(dgg, r_dgg, dim=1, batch=2)
+                    T.reduce_sum(dgg, c_dgg, dim=0, batch=4)
+                    for i in T.Parallel(C):
+                        vec_s[4, i] = r_dgg[i]
+                    for j in T.Parallel(C):
+                        vec_s[6, j] = c_dgg[j]
+                    # <-E dX, K S0>
+                    T.barrier_wait(edx_b, ph)
+                    for i, j in T.Parallel(C, V):
+                        iv2[i, j] = T.cast(edx_s[i, j], f32) * ks0[i, j]
+                    T.reduce_sum(iv2, r_ks, dim=1, batch=2)
+                    for i in T.Parallel(C):
+                        vec_s[3, i] = r_ks[i]
+                    # scale E dO in place (dO's readers, dU and dP, are done)
+                    for i, j in T.Parallel(C, V):
+                        do_s[i, j] = do_s[i, j] * (scale * eg_s[i])
+                    T.fence_proxy_async()
+                    T.sync_threads(INTRA_BAR, 128)
+                    T.barrier_arrive(sedo_b)
+                    # dq = (scale E dO) S0^T + (dP G) K; <Q, (scale E dO) S0^T> rows
+                    T.gemm(do_s, s0_s, iv, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        iv2[i, j] = iv[i, j] * T.cast(q_s[i, j], f32)
+                    T.reduce_sum(iv2, r_qs, dim=1, batch=2)
+                    for i in T.Parallel(C):
+                        vec_s[0, i] = r_qs[i]
+                    T.gemm(p_s, k_s, iv)                                          # + dPG K
+                    for i, j in T.Parallel(C, K):
+                        if i < rows:
+                            dq[gv, t0 + i, hk, j] = iv[i, j]
+                    # dbeta, and dg = reverse cumsum of dgam (+ the gam_C terms)
+                    T.barrier_wait(ss_b, ph)
+                    T.barrier_wait(chain_end, ph)
+                    T.sync_threads(INTRA_BAR, 128)          # vec_s rows of every thread
+                    for i in T.Parallel(C):
+                        if i < rows:
+                            dbeta[t0 + i, hh] = vec_s[2, i] + vec_s[5, i]
+                        dgam_s[i] = T.if_then_else(
+                            i < rows,
+                            (vec_s[4, i] - vec_s[6, i] + vec_s[0, i] + vec_s[3, i]
+                             - vec_s[1, i]),
+                            0.0)
+                        vec_s[7, i] = T.exp2(gam_s[C - 1]) * (ss_s[i] + ss_s[i + C])
+                    T.sync_threads(INTRA_BAR, 128)
+                    for i, m in T.Parallel(C, C):
+                        cc[i, m] = (T.if_then_else(m >= i, dgam_s[m], 0.0)
+                                    + vec_s[1, m] + vec_s[7, m])
+                    T.reduce_sum(cc, r_dg, dim=1, batch=2)
+                    for i in T.Parallel(C):
+                        if i < rows:
+                            dg[t0 + i, hh] = r_dg[i]
+                    T.barrier_arrive(free)
+
+            with T.ws(1):                                         # chain
+                T.inc_max_nreg(CHAIN_REGS)
+                for r in T.serial(chunks):
+                    c = chunks - 1 - r
+                    t0 = bos + c * C
+                    rows = T.min(seq_len - c * C, C)
+                    ph = r % 2
+                    T.barrier_wait(ready, ph)
+                    # Q K^T -> Ps = scale G * tril(Q K^T), Ag = (G * A) diag(beta), G
+                    T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        live = (i >= j) & (i < rows)
+                        e = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))
+                        decay = T.if_then_else(live, e, 0.0)
+                        qk[i, j] = qk[i, j] * decay * scale
+                        gb[i, j] = decay
+                    for i, j in T.Parallel(C, C):
+                        p_s[i, j] = qk[i, j]
+                        g_s[i, j] = gb[i, j]
+                        ag_s[i, j] = T.cast(a_s[i, j], f32) * gb[i, j] * beta_s[j]
+                    T.fence_proxy_async()
+                    T.sync_threads(CHAIN_BAR, 128)
+                    T.barrier_arrive(pag)
+                    # dU = D (K dS1) + Ps^T dO
+                    T.barrier_wait(ds1_b, ph)
+                    T.gemm(k_s, ds1_s, cv, clear_accum=True)                       # K dS1
+                    for i, j in T.Parallel(C, V):
+                        cv[i, j] = cv[i, j] * ed_s[i]
+                    T.gemm(p_s, do_s, cv, transpose_A=True)                       # + Ps^T dO
+                    T.copy(cv, du_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(CHAIN_BAR, 128)
+                    T.barrier_arrive(du_b)
+                    # dX = Ag^T dU (= dv), -E dX
+                    T.gemm(ag_s, du_s, cv, transpose_A=True, clear_accum=True)     # dX
+                    for i, j in T.Parallel(C, V):
+                        if i < rows:
+                            dv[t0 + i, hh, j] = cv[i, j]
+                    for i, j in T.Parallel(C, V):
+                        cv[i, j] = -eg_s[i] * cv[i, j]
+                    T.copy(cv, edx_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(CHAIN_BAR, 128)
+                    T.barrier_arrive(edx_b)
+                    # dN = strictly_lower(-A^T M A^T): diag(beta) dN, <dN, K K^T> rows
+                    T.barrier_wait(m_b, ph)
+                    T.gemm(a_s, m_s, qk, transpose_A=True, clear_accum=True)       # A^T M
+                    T.sync_threads(CHAIN_BAR, 128)          # M read by every warp
+                    T.copy(qk, m_s)
+                    T.fence_proxy_async()
+                    T.sync_threads(CHAIN_BAR, 128)
+                    T.gemm(m_s, a_s, qk, transpose_B=True, clear_accum=True)       # A^T M A^T
+                    T.gemm(k_s, k_s, gb, transpose_B=True, clear_accum=True)       # K K^T
+                    for i, j in T.Parallel(C, C):
+                        dn = T.if_then_else((i > j) & (i < rows), -qk[i, j], 0.0)
+                        qk[i, j] = dn * beta_s[i]
+                        gb[i, j] = dn * gb[i, j]
+                    T.copy(qk, ag_s)                        # Ag's readers are done
+                    T.reduce_sum(gb, r_dn, dim=1, batch=2)
+                    for i in T.Parallel(C):
+                        vec_s[5, i] = r_dn[i]                                   # dbeta, 2nd
+                    T.fence_proxy_async()
+                    T.sync_threads(CHAIN_BAR, 128)
+                    # dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K;
+                    # dD = D <K, U dS1^T> rows
+                    T.barrier_wait(dpg_b, ph)
+                    T.gemm(u_s, ds1_s, cv, transpose_B=True, clear_accum=True)     # U dS1^T
+                    for i, j in T.Parallel(C, K):
+                        cv2[i, j] = cv[i, j] * T.cast(k_s[i, j], f32)
+                        cv[i, j] = cv[i, j] * ed_s[i]
+                    T.reduce_sum(cv2, r_dd, dim=1, batch=2)
+                    for i in T.Parallel(C):
+                        vec_s[1, i] = T.if_then_else(i < rows, r_dd[i] * ed_s[i], 0.0)
+                    T.wgmma_gemm(p_s, q_s, cv, transpose_A=True)
+                    T.wgmma_gemm(edx_s, s0_s, cv, transpose_B=True)
+                    T.wgmma_gemm(ag_s, k_s, cv)
+                    T.wgmma_gemm(ag_s, k_s, cv, transpose_A=True)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, K):
+                        if i < rows:
+                            dk[gv, t0 + i, hk, j] = cv[i, j]
+                    T.barrier_arrive(chain_end)
+                    T.barrier_arrive(free)
+
+            with T.ws(0):                                         # state
+                T.inc_max_nreg(STATE_REGS)
+                if has_dht:
+                    for i, j in T.Parallel(V, K):
+                        dst[i, j] = dht[n, hh, j, i]
+                else:
+                    T.clear(dst)
+                for r in T.serial(chunks):
+                    ph = r % 2
+                    T.barrier_wait(ready, ph)      # the slot's readers of the last chunk
+                    for i, j in T.Parallel(V, K):  # are done (every role passed "free")
+                        ds1_s[j, i] = dst[i, j]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ds1_b)
+                    for i, j in T.Parallel(V, K):
+                        dst[i, j] = dst[i, j] * eg_s[C - 1]
+                    T.barrier_wait(sedo_b, ph)
+                    T.wgmma_gemm(do_s, q_s, dst, transpose_A=True)        # + (s E dO)^T Q
+                    T.barrier_wait(edx_b, ph)
+                    T.wgmma_gemm(edx_s, k_s, dst, transpose_A=True)       # + (-E dX)^T K
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free)
+                for i, j in T.Parallel(V, K):
+                    dh0[n, hh, j, i] = dst[i, j]
+
+            with T.ws(3):                                         # load
+                T.dec_max_nreg(LOAD_REGS)
+                for r in T.serial(chunks):
+                    c = chunks - 1 - r
+                    t0 = bos + c * C
+                    rows = T.min(seq_len - c * C, C)
+                    ph = r % 2
+                    if r > 0:
+                        T.barrier_wait(free, ph ^ 1)              # the last chunk is done
+                    T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=loaded)
+                    T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=loaded)
+                    T.tma_copy(do[t0:t0 + C, hh, :], do_s, barrier=loaded)
+                    T.tma_copy(v[t0:t0 + C, hh, :], vx_s, barrier=loaded)
+                    T.tma_copy(A[t0:t0 + C, hh, :], a_s, barrier=loaded)
+                    T.tma_copy(h[first_chunk + c, hh, :, :], s0_s, barrier=loaded)
+                    T.barrier_arrive(loaded)
+                    for i in T.Parallel(C):     # rows past the end repeat the last gam
+                        gl = g_cumsum[t0 + rows - 1, hh] * LOG2E
+                        gi = g_cumsum[t0 + T.min(i, rows - 1), hh] * LOG2E
+                        gam_s[i] = gi
+                        eg_s[i] = T.exp2(gi)
+                        ed_s[i] = T.exp2(gl - gi)
+                        beta_s[i] = T.if_then_else(i < rows, beta[t0 + i, hh], 0.0)
+                    T.barrier_wait(loaded, ph)
+                    if rows < C:                # next sequence / padding rows: zeros
+                        for i, j in T.Parallel(C, K):
+                            if i >= rows:
+                                q_s[i, j] = T.cast(0, dtype)
+                                k_s[i, j] = T.cast(0, dtype)
+                                do_s[i, j] = T.cast(0, dtype)
+                                vx_s[i, j] = T.cast(0, dtype)
+                        for i, j in T.Parallel(C, C):
+                            if i >= rows:
+                                a_s[i, j] = T.cast(0, dtype)
+                    T.fence_proxy_async()
+                    T.sync_threads(LOAD_BAR, 128)
+                    T.barrier_arrive(ready)
+                    # <S0, dS1> row sums, while the other roles compute
+                    T.barrier_wait(ds1_b, ph)
+                    for i in T.Parallel(K):
+                        ss_f[i] = 0.0
+                        for j in T.serial(V):
+                            ss_f[i] = ss_f[i] + (T.cast(s0_s[i, j], f32)
+                                                 * T.cast(ds1_s[i, j], f32))
+                    for i in T.Parallel(K):
+                        ss_s[i] = ss_f[i]
+                    T.barrier_arrive(ss_b)
+
+    return chunk_bwd_fused
+
+
+def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
+                cu_seqlens_cpu, packed=None):
+    """The reverse sweep and every per-chunk gradient in one launch
+    (:func:`chunk_bwd_fused_kernel`), given the chunk-start states in q's dtype.
+
+    Args (``Kernels.bwd`` shapes): q, k ``[B, T, Hk, K]``; v, do ``[B, T, Hv, V]``;
+    g_cumsum, beta ``[B, T, Hv]``; A ``[B, T, Hv, C]``; h ``[NT, Hv, K, V]`` in q's dtype
+    (chunk order); dht ``[N, Hv, K, V]`` fp32 or None; cu_seqlens / cu_seqlens_cpu
+    ``[N + 1]`` or None (dense); ``packed``: the same inputs already packed
+    (``backward.Packed``). K = V = 128.
+
+    Returns ``(dq, dk, dv, dbeta, dg, dh0)`` as ``chunk_bwd_intra.chunk_grads`` plus dh0
+    ``[N, Hv, K, V]`` fp32 (the state gradient at each sequence's start).
+    Raises ``ValueError`` if h is not in q's dtype or K, V are not 128."""
+    from . import traits
+    from .backward import pack
+    from .chunk_bwd_intra import _sum_groups
+    from .forward import _DTYPE_NAMES, _zero_padding_rows, static_flags
+
+    B, T_, Hk, K = q.shape
+    Hv, V = v.shape[2:]
+    if (K, V) != (128, 128):
+        raise ValueError(f"fused_grads: K, V must be (128, 128), got {(K, V)}")
+    if h.dtype != q.dtype:
+        raise ValueError(f"fused_grads: h must be in q's dtype {q.dtype}, got {h.dtype}")
+    Tt, dt = B * T_, q.dtype
+    p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
+                       cu_seqlens)
+    N = p.layout.num_seqs
+    NT = h.numel() // (Hv * K * V)
+    zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
+    alloc = torch.zeros if zero else torch.empty
+    in_dtype = Hv == Hk or traits.BWD_GVA_GRADS_IN_DTYPE    # dq, dk per value head
+    qk_dtype = dt if in_dtype else torch.float32
+    G = Hv // Hk
+    dq = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)  # head hk * G + g at [g, :, hk]
+    dk = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)
+    dv = alloc(Tt, Hv, V, dtype=dt, device=q.device)
+    dbeta = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
+    dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
+    dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device)
+    has_dht = dht is not None
+    launcher(chunk_bwd_fused_kernel, _DTYPE_NAMES[dt], K, V, has_dht,
+             *static_flags(in_dtype))(
+        p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
+        h.reshape(max(NT, 1), Hv, K, V) if NT else h.new_zeros(1, Hv, K, V),
+        p.layout.cu_seqlens, p.layout.chunk_offsets,
+        dht.contiguous() if has_dht else dh0, float(scale),
+        dq, dk, dv, dbeta, dg, dh0)
+    return (_sum_groups(dq).view(B, T_, Hk, K).to(q.dtype),
+            _sum_groups(dk).view(B, T_, Hk, K).to(k.dtype),
+            dv.view(B, T_, Hv, V).to(v.dtype),
+            dbeta.view(B, T_, Hv).to(beta.dtype),
+            dg.view(B, T_, Hv), dh0)

@@ -1,0 +1,119 @@
+"""The fused reverse kernel (``chunk_bwd_fused``: the state-gradient sweep and every
+per-chunk gradient in one CTA per (sequence, value head)) against the chunk-parallel
+PyTorch gradients given the same states, and, through the public API's autograd, against
+the fp64 token-by-token recurrence. Tolerances as the backward's other GPU tests (bf16:
+dq, dk, dv, dh0 < 1e-2, dbeta, dg < 2e-2, relative L2); NaN fails every comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_qla
+from tests.helpers import rel_l2
+from tests.sm90.test_backward_gpu import (
+    BOUNDED_BWD_CASES,
+    BWD_CASES,
+    SAME_HEAD_CASES,
+    TOL,
+    _grads,
+    _reference_grads,
+)
+from tests.sm90.test_forward_gpu import CASES, Case, make_inputs
+
+pytestmark = pytest.mark.sm90
+
+#: GVA 2/4, strong and zero gates, varlen with an empty sequence, length-1 ones and
+#: padding, varlen GVA 4/16, one long and two short sequences without h0, a single
+#: chunk shorter than C, fp16, Hv = Hk
+FUSED_CASES = [*BWD_CASES, CASES[1], CASES[8], *SAME_HEAD_CASES]
+
+
+def _force_fused(monkeypatch, on: bool = True):
+    """The backward takes the fused kernel wherever it can (``backward.fused_pays``
+    would leave these small grids to the two kernels), or never."""
+    from flash_qla_sm90.kernels import traits
+
+    monkeypatch.setattr(traits, "BWD_FUSED", on)
+    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0)
+
+
+def _errors(ours, ref, names):
+    return {n: rel_l2(a.float(), b.float()) for n, a, b in zip(names, ours, ref)}
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_fused_kernel_matches_torch_chunk_grads(case):
+    """``fused_grads`` (h in q's dtype, as the unsplit backward keeps it) against the
+    chunk-parallel PyTorch gradients and sweep given the fp32 states: every gradient and
+    dh0, same shapes and dtypes."""
+    from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
+    from flash_qla_sm90.kernels.backward import chunk_states, state_grads
+    from flash_qla_sm90.kernels.chunk_bwd_fused import fused_grads
+
+    inp = make_inputs(case, seed=6)
+    g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
+    do, dht = torch.randn_like(o), torch.randn_like(final)
+    q, k, v, beta, h0 = inp["q"], inp["k"], inp["v"], inp["beta"], inp["initial_state"]
+    common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
+    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
+    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
+    ours = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht, **common)
+    ref = chunk_gated_delta_rule_bwd_parallel(q, k, v, g_cumsum, beta, A, do, h, dht=dht,
+                                              initial_state=h0, dS1=dS1, dh0=dh0, **common)
+    ref = (*ref[:5], dh0)
+    names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
+    tol = dict(zip(names, (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)))
+    errors = _errors(ours, ref, names)
+    for name, a, b in zip(names, ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+    assert all(errors[n] < tol[n] for n in names), errors
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_fused_backward_matches_recurrence(case, monkeypatch):
+    """The public API's backward with the fused kernel (no segment split) against
+    autograd through the fp64 recurrence."""
+    _force_fused(monkeypatch)
+    inp = make_inputs(case, seed=2)
+    ours, do, dht = _grads(inp, auto_cp=False)
+    ref = _reference_grads(inp, do, dht)
+    errors = {n: rel_l2(ours[n], ref[n]) for n in TOL if n in ref}
+    assert all(errors[n] < TOL[n] for n in errors), errors
+
+
+def test_fused_backward_deterministic(monkeypatch):
+    _force_fused(monkeypatch)
+    inp = make_inputs(CASES[12], seed=4)
+    first, _, _ = _grads(inp, auto_cp=False)
+    again, _, _ = _grads(inp, auto_cp=False)
+    for name in first:
+        assert torch.equal(first[name], again[name]), name
+
+
+def test_fused_backward_long_sequence(monkeypatch):
+    """One 32768-token sequence, GVA 4/16 (a walk of 512 chunks per CTA)."""
+    _force_fused(monkeypatch)
+    case = Case(1, 32768, 4, 16)
+    inp = make_inputs(case, seed=3)
+    ours, do, dht = _grads(inp, auto_cp=False)
+    _force_fused(monkeypatch, False)
+    base, _, _ = _grads(inp, auto_cp=False)
+    errors = {n: rel_l2(ours[n].float(), base[n].float()) for n in base}
+    assert all(e < 1e-2 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("case, segment_len", BOUNDED_BWD_CASES,
+                         ids=[f"{c.id}-seg{s}" for c, s in BOUNDED_BWD_CASES])
+def test_fused_bounded_split_matches_recurrence(case, segment_len, monkeypatch):
+    """The bounded split's backward with the fused kernel (the boundary sweep walks only
+    the warm-up chunks after each segment, the fused kernel walks the segment from
+    there) against the fp64 recurrence and the two-kernel bounded backward."""
+    inp = make_inputs(case, seed=4)
+    _force_fused(monkeypatch)
+    ours, do, dht = _grads(inp, segment_len=segment_len)
+    _force_fused(monkeypatch, False)
+    base, _, _ = _grads(inp, segment_len=segment_len)
+    ref = _reference_grads(inp, do, dht)
+    errors = {n: (rel_l2(ours[n], ref[n]), rel_l2(ours[n], base[n])) for n in TOL if n in ref}
+    assert all(max(e) < TOL[n] for n, e in errors.items()), errors
