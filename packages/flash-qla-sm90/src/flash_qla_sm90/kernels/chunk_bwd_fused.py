@@ -28,10 +28,18 @@ Q S0 product is formed. ``dGG``'s ``dP * G * Q K^T`` is ``dP * Ps`` (Ps kept in 
 dtype).
 
 Every tile has one shared slot (no double buffer: 216 KB of slots), so the next chunk's
-tiles load once every role is done with the chunk ("free", 384 arrivals); the hand-offs
+tiles load once every role has read the chunk's ("free", 384 arrivals): the chain and
+intra roles arrive before their last global stores (dk; dq, dbeta, dg), which overlap
+the loads, and the load role fetches the next chunk's gates while the chunk runs (v19
+call 5, Nsight Compute: the intra role, which bounds the step, waited ~13% of it for the
+next chunk's tiles after its own end, i.e. the whole load latency); the hand-offs
 within a chunk are one mbarrier each (128 arrivals of the writing role), all of phase
-``r % 2`` for the walk's r-th chunk. Every role runs the chunks in the same order and
-none can pass "free", so no barrier is arrived at twice before it is waited for.
+``r % 2`` for the walk's r-th chunk. No barrier is arrived at for chunk r + 1 before
+its waiters have passed it for chunk r: every arrival of chunk r + 1 comes after
+"ready" of r + 1, i.e. after every role's "free" of r, which each role arrives at after
+its waits of chunk r except the intra role's "chain_end", and the chain reaches
+"chain_end" of r + 1 only through "m" of r + 1, which the intra role arrives at after
+its whole chunk r.
 TileLang's automatic synchronisation and shared-memory reuse are off: every barrier is
 written out, and no two buffers share bytes (the planner reuses bytes by program order,
 which role blocks running at once do not follow; perf-notes v17). Cross-thread
@@ -44,7 +52,7 @@ import tilelang.language as T
 import torch
 
 from .launch import launcher
-from .tile_ops import LOG2E
+from .tile_ops import fetch_gates, stage_gates
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 
 #: setmaxnreg budgets per role (warpgroups 0..3). The launch gives 512 threads 128
@@ -138,6 +146,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             dgam_s = T.alloc_shared((C,), f32)
             # load role
             ss_f = T.alloc_fragment((K,), f32)
+            gam_next = T.alloc_fragment((C,), f32)   # the next chunk's gates
+            gam_last_next = T.alloc_fragment((C,), f32)
+            beta_next = T.alloc_fragment((C,), f32)
             # state role
             dst = T.alloc_fragment((V, K), f32)      # dS^T
             # chain role
@@ -169,6 +180,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])
             chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
+            last = T.alloc_var("int32", init=bos + seq_len - 1)
 
             loaded = T.alloc_barrier(128)      # TMA -> load (128 arrivals + bytes)
             ready = T.alloc_barrier(128)       # load -> all: tiles, zeroed rows, gates
@@ -257,11 +269,16 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i in T.Parallel(C):
                         vec_s[0, i] = r_qs[i]
                     T.gemm(p_s, k_s, iv)                                          # + dPG K
+                    # the <S0, dS1> term of dg, the last read of the chunk's tiles and
+                    # gates: the next chunk's loads go while dq and dg are finished
+                    T.barrier_wait(ss_b, ph)
+                    for i in T.Parallel(C):
+                        vec_s[7, i] = T.exp2(gam_s[C - 1]) * (ss_s[i] + ss_s[i + C])
+                    T.barrier_arrive(free)
                     for i, j in T.Parallel(C, K):
                         if i < rows:
                             dq[gv, t0 + i, hk, j] = iv[i, j]
                     # dbeta, and dg = reverse cumsum of dgam (+ the gam_C terms)
-                    T.barrier_wait(ss_b, ph)
                     T.barrier_wait(chain_end, ph)
                     T.sync_threads(INTRA_BAR, 128)          # vec_s rows of every thread
                     for i in T.Parallel(C):
@@ -272,7 +289,6 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                             (vec_s[4, i] - vec_s[6, i] + vec_s[0, i] + vec_s[3, i]
                              - vec_s[1, i]),
                             0.0)
-                        vec_s[7, i] = T.exp2(gam_s[C - 1]) * (ss_s[i] + ss_s[i + C])
                     T.sync_threads(INTRA_BAR, 128)
                     for i, m in T.Parallel(C, C):
                         cc[i, m] = (T.if_then_else(m >= i, dgam_s[m], 0.0)
@@ -281,7 +297,6 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i in T.Parallel(C):
                         if i < rows:
                             dg[t0 + i, hh] = r_dg[i]
-                    T.barrier_arrive(free)
 
             with T.ws(1):                                         # chain
                 T.inc_max_nreg(CHAIN_REGS)
@@ -361,11 +376,11 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     T.wgmma_gemm(ag_s, k_s, cv)
                     T.wgmma_gemm(ag_s, k_s, cv, transpose_A=True)
                     T.wait_wgmma(0)
+                    T.barrier_arrive(chain_end)
+                    T.barrier_arrive(free)
                     for i, j in T.Parallel(C, K):
                         if i < rows:
                             dk[gv, t0 + i, hk, j] = cv[i, j]
-                    T.barrier_arrive(chain_end)
-                    T.barrier_arrive(free)
 
             with T.ws(0):                                         # state
                 T.inc_max_nreg(STATE_REGS)
@@ -394,6 +409,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
 
             with T.ws(3):                                         # load
                 T.dec_max_nreg(LOAD_REGS)
+                if chunks > 0:
+                    fetch_gates(g_cumsum, beta, hh, bos + (chunks - 1) * C, last, gam_next,
+                                gam_last_next, beta_next)
                 for r in T.serial(chunks):
                     c = chunks - 1 - r
                     t0 = bos + c * C
@@ -408,13 +426,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     T.tma_copy(A[t0:t0 + C, hh, :], a_s, barrier=loaded)
                     T.tma_copy(h[first_chunk + c, hh, :, :], s0_s, barrier=loaded)
                     T.barrier_arrive(loaded)
-                    for i in T.Parallel(C):     # rows past the end repeat the last gam
-                        gl = g_cumsum[t0 + rows - 1, hh] * LOG2E
-                        gi = g_cumsum[t0 + T.min(i, rows - 1), hh] * LOG2E
-                        gam_s[i] = gi
-                        eg_s[i] = T.exp2(gi)
-                        ed_s[i] = T.exp2(gl - gi)
-                        beta_s[i] = T.if_then_else(i < rows, beta[t0 + i, hh], 0.0)
+                    stage_gates(gam_next, gam_last_next, beta_next, gam_s, eg_s, ed_s, beta_s)
                     T.barrier_wait(loaded, ph)
                     if rows < C:                # next sequence / padding rows: zeros
                         for i, j in T.Parallel(C, K):
@@ -429,6 +441,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     T.fence_proxy_async()
                     T.sync_threads(LOAD_BAR, 128)
                     T.barrier_arrive(ready)
+                    if c > 0:                   # the next chunk's gates, in flight
+                        fetch_gates(g_cumsum, beta, hh, t0 - C, last, gam_next,
+                                    gam_last_next, beta_next)
                     # <S0, dS1> row sums, while the other roles compute
                     T.barrier_wait(ds1_b, ph)
                     for i in T.Parallel(K):
