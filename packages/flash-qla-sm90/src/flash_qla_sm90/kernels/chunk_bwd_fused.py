@@ -10,10 +10,11 @@ by ``tests/sm90/test_bwd_fused_algorithm.py``; FlashQLA 0.1.3's backward has the
 structure, docs/perf-notes.md v12):
 
 - warpgroup 3, load: q, k, dO, v, A and S0 (h in q's dtype) by TMA from one thread,
-  rows past the sequence's end zeroed, the gate factors; and ``<S0, dS1>`` (for dg)
-  from the two shared tiles while the others compute;
-- warpgroup 0, state: dS1 (its registers) to shared memory in q's dtype; then
-  ``dS0^T = exp(gam_C) dS1^T + (scale E dO)^T Q + (-E dX)^T K`` once both tiles exist;
+  rows past the sequence's end zeroed, the gate factors (fetched one chunk ahead);
+- warpgroup 0, state: dS1 (its registers) to shared memory in q's dtype, and each
+  thread's share of ``<S0, dS1>`` (for dg: its own dS1 elements against S0's tile, in
+  fp32; 128 partial sums that dg's reduction adds up); then ``dS0^T = exp(gam_C) dS1^T
+  + (scale E dO)^T Q + (-E dX)^T K`` once both tiles exist;
 - warpgroup 1, chain: Q K^T, Ps = scale G * tril(Q K^T), Ag, G; ``dU = D (K dS1) + Ps^T
   dO``; ``dX = Ag^T dU`` (= dv) and -E dX; ``A^T M``, ``dN``, ``diag(beta) dN``, ``<dN, K
   K^T>``; ``dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K`` and ``dD``;
@@ -142,15 +143,15 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             ed_s = T.alloc_shared((C,), f32)         # exp(gam_C - gam)
             beta_s = T.alloc_shared((C,), f32)
             vec_s = T.alloc_shared((8, C), f32)      # per-row terms of dbeta, dg
-            ss_s = T.alloc_shared((K,), f32)         # row sums of S0 * dS1
+            ss_s = T.alloc_shared((K,), f32)         # <S0, dS1> per state thread
             dgam_s = T.alloc_shared((C,), f32)
             # load role
-            ss_f = T.alloc_fragment((K,), f32)
             gam_next = T.alloc_fragment((C,), f32)   # the next chunk's gates
             gam_last_next = T.alloc_fragment((C,), f32)
             beta_next = T.alloc_fragment((C,), f32)
             # state role
             dst = T.alloc_fragment((V, K), f32)      # dS^T
+            ssp = T.alloc_local((1,), f32)
             # chain role
             qk = T.alloc_fragment((C, C), f32)       # Q K^T, Ps; A^T M; A^T M A^T
             gb = T.alloc_fragment((C, C), f32)       # G; K K^T
@@ -191,7 +192,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             m_b = T.alloc_barrier(128)         # intra -> chain: M
             dpg_b = T.alloc_barrier(128)       # intra -> chain: dP * G
             sedo_b = T.alloc_barrier(128)      # intra -> state: scale E dO
-            ss_b = T.alloc_barrier(128)        # load -> intra: <S0, dS1> rows
+            ss_b = T.alloc_barrier(128)        # state -> intra: <S0, dS1> partials
             chain_end = T.alloc_barrier(128)   # chain -> intra: dD, dN rows
             free = T.alloc_barrier(384)        # state, chain, intra -> load: chunk done
 
@@ -396,6 +397,11 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                         ds1_s[j, i] = dst[i, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(ds1_b)
+                    ssp[0] = 0.0                   # this thread's share of <S0, dS1>
+                    for i, j in T.Parallel(V, K):
+                        ssp[0] = ssp[0] + dst[i, j] * T.cast(s0_s[j, i], f32)
+                    ss_s[T.get_thread_binding()] = ssp[0]
+                    T.barrier_arrive(ss_b)
                     for i, j in T.Parallel(V, K):
                         dst[i, j] = dst[i, j] * eg_s[C - 1]
                     T.barrier_wait(sedo_b, ph)
@@ -444,16 +450,6 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     if c > 0:                   # the next chunk's gates, in flight
                         fetch_gates(g_cumsum, beta, hh, t0 - C, last, gam_next,
                                     gam_last_next, beta_next)
-                    # <S0, dS1> row sums, while the other roles compute
-                    T.barrier_wait(ds1_b, ph)
-                    for i in T.Parallel(K):
-                        ss_f[i] = 0.0
-                        for j in T.serial(V):
-                            ss_f[i] = ss_f[i] + (T.cast(s0_s[i, j], f32)
-                                                 * T.cast(ds1_s[i, j], f32))
-                    for i in T.Parallel(K):
-                        ss_s[i] = ss_f[i]
-                    T.barrier_arrive(ss_b)
 
     return chunk_bwd_fused
 
