@@ -18,6 +18,7 @@ from tests.sm90.test_backward_gpu import (
     TOL,
     _grads,
     _reference_grads,
+    swept_problem,
 )
 from tests.sm90.test_forward_gpu import CASES, Case, make_inputs
 
@@ -52,21 +53,11 @@ def test_fused_kernel_matches_torch_chunk_grads(case):
     """``fused_grads`` (h in q's dtype, as the unsplit backward keeps it) against the
     chunk-parallel PyTorch gradients and sweep given the fp32 states: every gradient and
     dh0, same shapes and dtypes."""
-    from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
-    from flash_qla_sm90.kernels.backward import chunk_states, state_grads
     from flash_qla_sm90.kernels.chunk_bwd_fused import fused_grads
 
-    inp = make_inputs(case, seed=6)
-    g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
-    do, dht = torch.randn_like(o), torch.randn_like(final)
-    q, k, v, beta, h0 = inp["q"], inp["k"], inp["v"], inp["beta"], inp["initial_state"]
-    common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
-    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
-    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
-    ours = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht, **common)
-    ref = chunk_gated_delta_rule_bwd_parallel(q, k, v, g_cumsum, beta, A, do, h, dht=dht,
-                                              initial_state=h0, dS1=dS1, dh0=dh0, **common)
-    ref = (*ref[:5], dh0)
+    x = swept_problem(case)
+    ours = fused_grads(*x.args, x.h.to(x.args[0].dtype), dht=x.dht, **x.common)
+    ref = (*x.ref[:5], x.dh0)
     names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
     tol = dict(zip(names, (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)))
     errors = _errors(ours, ref, names)
