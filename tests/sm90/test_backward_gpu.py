@@ -4,6 +4,8 @@ dbeta, dg < 2e-2 (relative L2)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -242,6 +244,28 @@ SAME_HEAD_CASES = [Case(2, 1000, 4, 4, dtype=torch.float16),
 _INTRA_CASES = [CASES[0], CASES[11], CASES[12], BWD_CASES[1], CASES[8], *SAME_HEAD_CASES]
 
 
+def swept_problem(case, seed: int = 6) -> SimpleNamespace:
+    """A case after the forward, with random dO and dht, for the kernel-level gradient
+    tests: ``args`` (q, k, v, g_cumsum, beta, A, dO), ``common`` (scale, cu_seqlens), the
+    fp32 chunk states ``h`` and the sweep kernel's ``dS1``, ``dh0``, ``dht``, and ``ref``:
+    the chunk-parallel PyTorch gradients given those states."""
+    from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
+    from flash_qla_sm90.kernels.backward import chunk_states, state_grads
+
+    inp = make_inputs(case, seed=seed)
+    g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
+    do, dht = torch.randn_like(o), torch.randn_like(final)
+    q, k, v, beta, h0 = inp["q"], inp["k"], inp["v"], inp["beta"], inp["initial_state"]
+    common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
+    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
+    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
+    args = (q, k, v, g_cumsum, beta, A, do)
+    ref = chunk_gated_delta_rule_bwd_parallel(*args, h, dht=dht, initial_state=h0,
+                                              dS1=dS1, dh0=dh0, **common)
+    return SimpleNamespace(args=args, common=common, h=h, dS1=dS1, dh0=dh0, dht=dht,
+                           ref=ref)
+
+
 @pytest.mark.parametrize(("case", "states"),
                          [(c, "fp32") for c in _INTRA_CASES]
                          + [(c, "dtype") for c in (CASES[0], SAME_HEAD_CASES[1], CASES[8])],
@@ -252,23 +276,14 @@ def test_intra_kernel_matches_torch_chunk_grads(case, states):
     < 2e-2 for dbeta, dg; same dtypes and shapes (dq / dk in q's dtype from the kernel
     itself where Hv = Hk). ``states`` "dtype": the kernel gets h and dS1 rounded to q's
     dtype (the bounded backward's, ``traits.BWD_STATES_IN_DTYPE``)."""
-    from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
-    from flash_qla_sm90.kernels.backward import chunk_states, state_grads
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_grads
 
-    inp = make_inputs(case, seed=6)
-    g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
-    do, dht = torch.randn_like(o), torch.randn_like(final)
-    q, k, v, beta, h0 = inp["q"], inp["k"], inp["v"], inp["beta"], inp["initial_state"]
-    common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
-    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
-    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
-    kernel_states = (h, dS1) if states == "fp32" else (h.to(q.dtype), dS1.to(q.dtype))
-    ours = chunk_grads(q, k, v, g_cumsum, beta, A, do, *kernel_states, **common)
-    ref = chunk_gated_delta_rule_bwd_parallel(q, k, v, g_cumsum, beta, A, do, h, dht=dht,
-                                              initial_state=h0, dS1=dS1, dh0=dh0, **common)
+    x = swept_problem(case)
+    dt = x.args[0].dtype
+    kernel_states = (x.h, x.dS1) if states == "fp32" else (x.h.to(dt), x.dS1.to(dt))
+    ours = chunk_grads(*x.args, *kernel_states, **x.common)
     tol = {"dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dbeta": 2e-2, "dg": 2e-2}
-    for name, a, b in zip(tol, ours, ref[:5]):
+    for name, a, b in zip(tol, ours, x.ref[:5]):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_l2(a.float(), b.float()) < tol[name], name
 

@@ -18,24 +18,30 @@ from tests.sm90.test_backward_gpu import (
     TOL,
     _grads,
     _reference_grads,
+    swept_problem,
 )
 from tests.sm90.test_forward_gpu import CASES, Case, make_inputs
 
 pytestmark = pytest.mark.sm90
 
 #: GVA 2/4, strong and zero gates, varlen with an empty sequence, length-1 ones and
-#: padding, varlen GVA 4/16, one long and two short sequences without h0, a single
-#: chunk shorter than C, fp16, Hv = Hk
+#: padding, varlen GVA 4/16, one long and two short sequences without h0, T = 75 at
+#: one head (a full chunk and an 11-row tail), fp16, Hv = Hk
 FUSED_CASES = [*BWD_CASES, CASES[1], CASES[8], *SAME_HEAD_CASES]
 
 
-def _force_fused(monkeypatch, on: bool = True):
+def _force_fused(monkeypatch, on: bool = True) -> list:
     """The backward takes the fused kernel wherever it can (``backward.fused_pays``
-    would leave these small grids to the two kernels), or never."""
-    from flash_qla_sm90.kernels import traits
+    would leave these small grids to the two kernels), or never. Returns the list every
+    run of ``fused_grads`` appends to, so a test can check which path ran."""
+    from flash_qla_sm90.kernels import chunk_bwd_fused, traits
 
     monkeypatch.setattr(traits, "BWD_FUSED", on)
     monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0)
+    runs, real = [], chunk_bwd_fused.fused_grads
+    monkeypatch.setattr(chunk_bwd_fused, "fused_grads",
+                        lambda *a, **kw: (runs.append(kw["dht"] is not None), real(*a, **kw))[1])
+    return runs
 
 
 def _errors(ours, ref, names):
@@ -47,21 +53,11 @@ def test_fused_kernel_matches_torch_chunk_grads(case):
     """``fused_grads`` (h in q's dtype, as the unsplit backward keeps it) against the
     chunk-parallel PyTorch gradients and sweep given the fp32 states: every gradient and
     dh0, same shapes and dtypes."""
-    from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
-    from flash_qla_sm90.kernels.backward import chunk_states, state_grads
     from flash_qla_sm90.kernels.chunk_bwd_fused import fused_grads
 
-    inp = make_inputs(case, seed=6)
-    g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
-    do, dht = torch.randn_like(o), torch.randn_like(final)
-    q, k, v, beta, h0 = inp["q"], inp["k"], inp["v"], inp["beta"], inp["initial_state"]
-    common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
-    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
-    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
-    ours = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht, **common)
-    ref = chunk_gated_delta_rule_bwd_parallel(q, k, v, g_cumsum, beta, A, do, h, dht=dht,
-                                              initial_state=h0, dS1=dS1, dh0=dh0, **common)
-    ref = (*ref[:5], dh0)
+    x = swept_problem(case)
+    ours = fused_grads(*x.args, x.h.to(x.args[0].dtype), dht=x.dht, **x.common)
+    ref = (*x.ref[:5], x.dh0)
     names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
     tol = dict(zip(names, (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)))
     errors = _errors(ours, ref, names)
@@ -74,9 +70,10 @@ def test_fused_kernel_matches_torch_chunk_grads(case):
 def test_fused_backward_matches_recurrence(case, monkeypatch):
     """The public API's backward with the fused kernel (no segment split) against
     autograd through the fp64 recurrence."""
-    _force_fused(monkeypatch)
+    runs = _force_fused(monkeypatch)
     inp = make_inputs(case, seed=2)
     ours, do, dht = _grads(inp, auto_cp=False)
+    assert runs == [True]
     ref = _reference_grads(inp, do, dht)
     errors = {n: rel_l2(ours[n], ref[n]) for n in TOL if n in ref}
     assert all(errors[n] < TOL[n] for n in errors), errors
@@ -110,10 +107,30 @@ def test_fused_bounded_split_matches_recurrence(case, segment_len, monkeypatch):
     the warm-up chunks after each segment, the fused kernel walks the segment from
     there) against the fp64 recurrence and the two-kernel bounded backward."""
     inp = make_inputs(case, seed=4)
-    _force_fused(monkeypatch)
+    runs = _force_fused(monkeypatch)
     ours, do, dht = _grads(inp, segment_len=segment_len)
+    assert runs == [True]                  # dht: the boundary sweep's dS per segment
     _force_fused(monkeypatch, False)
     base, _, _ = _grads(inp, segment_len=segment_len)
     ref = _reference_grads(inp, do, dht)
     errors = {n: (rel_l2(ours[n], ref[n]), rel_l2(ours[n], base[n])) for n in TOL if n in ref}
     assert all(max(e) < TOL[n] for n, e in errors.items()), errors
+
+
+def test_fused_backward_without_final_state(monkeypatch):
+    """A training step that returns no final state (dht None: the kernel variant that
+    starts each walk from zero) against the fp64 recurrence; varlen GVA with padding."""
+    runs = _force_fused(monkeypatch)
+    inp = make_inputs(CASES[12], seed=9)
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inp.items()
+              if n != "cu_seqlens" and t is not None}
+    o, final = flash_qla.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                auto_cp=False)
+    do = torch.randn(o.shape, generator=torch.Generator(device=o.device).manual_seed(5),
+                     device=o.device)
+    o.float().backward(do)
+    assert final is None and runs == [False]
+    N, (Hv, V), K = inp["cu_seqlens"].numel() - 1, inp["v"].shape[2:], inp["q"].shape[-1]
+    ref = _reference_grads(inp, do, torch.zeros(N, Hv, K, V, device=o.device))
+    errors = {n: rel_l2(leaves[n].grad, ref[n]) for n in TOL if n in ref}
+    assert all(errors[n] < TOL[n] for n in errors), errors

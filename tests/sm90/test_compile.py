@@ -295,6 +295,7 @@ _VARIANTS = {
     "bwd_dh_ws_boundary": ("chunk_bwd_dh_ws", "chunk_bwd_dh_ws_kernel",
                            (*_DIMS, True, True, False, True)),
     "bwd_fused": ("chunk_bwd_fused", "chunk_bwd_fused_kernel", (*_DIMS, True, True)),
+    "bwd_fused_no_dht": ("chunk_bwd_fused", "chunk_bwd_fused_kernel", (*_DIMS, False, True)),
 }
 
 

@@ -193,3 +193,45 @@ def test_static_flags_keep_the_shipped_cache_keys():
     assert static_flags(False, False) == ()
     assert static_flags(True, False) == (True,)
     assert static_flags(False, True) == (False, True)
+
+
+@pytest.mark.parametrize("longest, total, Hv, fused", [
+    (512, 512, 16, False),          # one sequence at 16 heads: 16 CTAs, two kernels
+    (64, 512, 16, True),            # 8 segments (or 8 x 4096) at 16 heads: 128 CTAs
+    (64, 512, 32, True),            # 8 x 4096 at 32 heads: two waves
+    (8, 128, 8, True),              # the bounded split of 2/8 1x8192: 128 CTAs
+    (469, 1469, 16, False),         # one long sequence among 100 short ones
+    (512, 1024, 8, False),          # two sequences at 8 heads
+    (64, 384, 16, False),           # 96 CTAs: below the break-even (~110)
+])
+def test_fused_backward_where_its_cost_rule_says(longest, total, Hv, fused):
+    """``backward.fused_pays``: the fused reverse kernel for enough (walk, head) CTAs of
+    about equal length, the sweep + per-chunk kernel for few CTAs or uneven walks (the
+    fused kernel's time is its longest walk's)."""
+    from flash_qla_sm90.kernels.backward import fused_pays
+
+    assert fused_pays(longest, total, Hv, 128, 128, 132) is fused
+    assert not fused_pays(longest, total, Hv, 64, 64, 132)          # K = V = 128 only
+
+
+def test_fused_backward_can_be_switched_off(monkeypatch):
+    from flash_qla_sm90.kernels import traits
+    from flash_qla_sm90.kernels.backward import fused_pays
+
+    monkeypatch.setattr(traits, "BWD_FUSED", False)
+    assert not fused_pays(64, 512, 16, 128, 128, 132)
+
+
+def test_walk_chunks_without_a_host_sync():
+    """``backward.walk_chunks``: exact for dense inputs and host offsets, else the token
+    count's bound (one sequence holding every token)."""
+    import torch
+
+    from flash_qla_sm90.kernels.backward import walk_chunks
+    from flash_qla_sm90.kernels.chunk_layout import dense_layout, varlen_layout
+
+    assert walk_chunks(dense_layout(4, 1000, torch.device("cpu")), None) == (16, 64)
+    cu = torch.tensor([0, 3000, 3007, 3007, 4207], dtype=torch.int32)
+    layout = varlen_layout(cu, 4300)
+    assert walk_chunks(layout, cu) == (47, 47 + 1 + 0 + 19)
+    assert walk_chunks(layout, None) == (68, 68)                    # ceil(4300 / 64)

@@ -2,11 +2,14 @@
 
 1. ``chunk_fwd`` recomputes the chunk-start states h from the saved g_cumsum and A,
    unless the training forward kept them (``states``: ``Kernels.keeps_states``);
-2. the state gradient at every chunk end, dS1, comes from the reverse sweep: the
-   ``chunk_bwd_dh_ws`` kernel (``chunk_bwd_dh`` with ``traits.BWD_DH_AUX_WARPGROUP``
+2. where :func:`fused_pays`, ``chunk_bwd_fused`` walks each sequence (or segment)
+   backwards and computes the state gradient and every per-chunk gradient in one CTA
+   (a segment's starting dS from ``chunk_bwd_dh_ws`` over its warm-up chunks only);
+3. otherwise the state gradient at every chunk end, dS1, comes from the reverse sweep:
+   the ``chunk_bwd_dh_ws`` kernel (``chunk_bwd_dh`` with ``traits.BWD_DH_AUX_WARPGROUP``
    off) when ``traits.BWD_DH_KERNEL`` is on, else the core's batched PyTorch sweep;
-3. every per-chunk gradient runs chunk-parallel: the ``chunk_bwd_intra`` kernel when
-   ``traits.BWD_INTRA_KERNEL`` is on (with the dh kernel), else PyTorch
+   then every per-chunk gradient runs chunk-parallel: the ``chunk_bwd_intra`` kernel
+   when ``traits.BWD_INTRA_KERNEL`` is on (with the dh kernel), else PyTorch
    (``flash_qla.chunk_parallel``).
 """
 
@@ -36,6 +39,7 @@ from .forward import (
     total_chunks,
 )
 from .launch import launcher
+from .traits import CHUNK
 
 
 def _kept(states: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -103,23 +107,42 @@ def states_in_dtype(layout: ChunkLayout, Hv: int, K: int, V: int, device) -> boo
             and fused_plan(layout.num_seqs, Hv, K, V, _sm_count(device))[0] == "ws")
 
 
-def fused_pays(num_walks: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
+def walk_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> tuple[int, int]:
+    """``(longest, total)``: the chunks of the longest sequence (or segment) of a call and
+    of all of them, without a host sync: exact for dense inputs and host offsets
+    (``cu_seqlens_cpu``), else upper bounds from the token count (one sequence holding
+    every token: the cost rule below then keeps the two kernels)."""
+    if layout.num_chunks is not None:                        # dense: N equal sequences
+        return layout.num_chunks // max(layout.num_seqs, 1), layout.num_chunks
+    if cu_seqlens_cpu is not None:
+        cu = cu_seqlens_cpu.tolist()
+        chunks = [-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:])]
+        return max(chunks, default=0), sum(chunks)
+    bound = layout.num_chunks_max - layout.num_seqs          # ceil(Tt / C)
+    return bound, bound
+
+
+def fused_pays(longest: int, total: int, Hv: int, K: int, V: int, sm_count: int) -> bool:
     """Whether the backward runs ``chunk_bwd_fused`` (``traits.BWD_FUSED``, K = V = 128)
-    for ``num_walks`` sequences or segments of about equal length: per chunk of a walk,
-    the fused kernel costs a step per wave of its (walk, value head) CTAs, the two-kernel
-    path a sweep step per wave plus the per-chunk kernel's CTAs spread over the SMs::
+    rather than ``chunk_bwd_dh_ws`` + ``chunk_bwd_intra`` for sequences (or segments)
+    whose longest has ``longest`` chunks, ``total`` in all (:func:`walk_chunks`). Both
+    the fused kernel and the sweep walk each (sequence, value head) in one CTA, so each
+    takes its chunk step times the larger of the longest walk and the chunks per SM; the
+    per-chunk kernel adds one CTA per (chunk, value head), one per SM at a time::
 
-        fused_step * waves  <  sweep_step * waves + intra_cta * walks * Hv / SMs
+        fused_step * spread  <  sweep_step * spread + intra_cta * total * Hv / SMs,
+        spread = max(longest, total * Hv / SMs)
 
-    (``traits.BWD_FUSED_STEP_US``, ``BWD_SWEEP_STEP_US``, ``BWD_INTRA_CTA_US``): the
-    fused kernel wins from about 100 CTAs on the H200 (one sequence at 16 heads runs
-    the two kernels, the bounded split's segments at 16 heads the fused one)."""
-    if not traits.BWD_FUSED or not dh_aux_warpgroup(K, V) or num_walks * Hv == 0:
+    (``traits.BWD_FUSED_STEP_US``, ``BWD_SWEEP_STEP_US``, ``BWD_INTRA_CTA_US``). On the
+    H200, with walks of equal length, the fused kernel wins from about 110 CTAs (the
+    bounded split's segments at 16 heads, 8 x 4096 at 16 heads); one sequence at 16 heads,
+    or one long sequence among many short ones, runs the two kernels."""
+    if not traits.BWD_FUSED or not dh_aux_warpgroup(K, V) or total * Hv == 0:
         return False
-    ctas = num_walks * Hv
-    waves = -(-ctas // sm_count)
-    return (traits.BWD_FUSED_STEP_US * waves
-            < traits.BWD_SWEEP_STEP_US * waves + traits.BWD_INTRA_CTA_US * ctas / sm_count)
+    per_sm = total * Hv / sm_count
+    spread = max(longest, per_sm)
+    return (traits.BWD_FUSED_STEP_US * spread
+            < traits.BWD_SWEEP_STEP_US * spread + traits.BWD_INTRA_CTA_US * per_sm)
 
 
 def dh_aux_warpgroup(K: int, V: int) -> bool:
@@ -180,23 +203,28 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     (``flash_qla.segments.WalkEnds``, searched by the warm-up reverse sweep). The chunk
     states come from the warm-up forward (its own chunks per segment), dS1 from the
     warm-up reverse sweep (both in q's dtype when ``traits.BWD_STATES_IN_DTYPE``), then
-    ``chunk_bwd_intra`` as in :func:`chunk_bwd`. ``states``: the chunk states the
-    forward kept (``warmup_fwd(keep_states=True)``), read instead of recomputed.
+    ``chunk_bwd_intra`` as in :func:`chunk_bwd`; or, where :func:`fused_pays`, the
+    sweep over each segment's warm-up chunks only (dS at its end) and
+    ``chunk_bwd_fused`` over the segment. ``states``: the chunk states the forward kept
+    (``warmup_fwd(keep_states=True)``), read instead of recomputed.
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment ``[Nseg, Hv, K, V]``
     (None without an initial state)."""
     from .chunk_bwd_intra import chunk_grads
 
     common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static=True)   # segment offsets
-    h = _kept(states, q.dtype if traits.BWD_STATES_IN_DTYPE else torch.float32)
+    fused = fused_pays(*walk_chunks(p.layout, cu_seqlens_cpu), v.shape[2], q.shape[-1],
+                       v.shape[-1], _sm_count(q.device))
+    h = states if fused else None           # the fused kernel reads any kept states
+    h = h if h is not None else _kept(states, q.dtype if traits.BWD_STATES_IN_DTYPE
+                                      else torch.float32)
     if h is None:
         _, _, h = _fused(
             p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
             initial_state=initial_state, alloc=torch.empty,     # o: not computed
             num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=starts,
             h_in_dtype=traits.BWD_STATES_IN_DTYPE, states_only=True)    # h [NT,Hv,K,V]
-    if fused_pays(p.layout.num_seqs, v.shape[2], q.shape[-1], v.shape[-1],
-                  _sm_count(q.device)):
+    if fused:
         from .chunk_bwd_fused import fused_grads
 
         _, ends_dS = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
@@ -215,9 +243,11 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
 def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
               cu_seqlens_cpu, states=None, use_dh_kernel: bool | None = None,
               use_intra_kernel: bool | None = None):
-    """Backward; returns (dq, dk, dv, dbeta, dg, dh0) (see Kernels.bwd).
+    """Backward; returns (dq, dk, dv, dbeta, dg, dh0) (see Kernels.bwd): ``chunk_bwd_fused``
+    where :func:`fused_pays`, else the sweep and the per-chunk kernel (module docstring).
     ``states``: the chunk states the forward kept (``chunk_fwd(keep_states=True)``),
-    read instead of recomputed where they are in the dtype this backward reads h in.
+    read instead of recomputed where they are in the dtype this backward reads h in (by
+    the fused kernel in any dtype).
     ``use_dh_kernel`` / ``use_intra_kernel`` None follow ``traits.BWD_DH_KERNEL`` /
     ``traits.BWD_INTRA_KERNEL`` (read at every call)."""
     if use_dh_kernel is None:
@@ -228,12 +258,15 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
     in_dtype = (use_dh_kernel and use_intra_kernel
                 and states_in_dtype(p.layout, v.shape[2], q.shape[-1], v.shape[-1], q.device))
-    h = _kept(states, q.dtype if in_dtype else torch.float32)
+    fused = use_dh_kernel and use_intra_kernel and fused_pays(
+        *walk_chunks(p.layout, cu_seqlens_cpu), v.shape[2], q.shape[-1], v.shape[-1],
+        _sm_count(q.device))
+    h = states if fused else None           # the fused kernel reads any kept states
+    h = h if h is not None else _kept(states, q.dtype if in_dtype else torch.float32)
     if h is None:
         h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
                          h_in_dtype=in_dtype, **common)
-    if use_dh_kernel and use_intra_kernel and fused_pays(
-            p.layout.num_seqs, v.shape[2], q.shape[-1], v.shape[-1], _sm_count(q.device)):
+    if fused:
         from .chunk_bwd_fused import fused_grads
 
         *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht,

@@ -43,9 +43,10 @@ its waits of chunk r except the intra role's "chain_end", and the chain reaches
 its whole chunk r.
 TileLang's automatic synchronisation and shared-memory reuse are off: every barrier is
 written out, and no two buffers share bytes (the planner reuses bytes by program order,
-which role blocks running at once do not follow; perf-notes v17). Cross-thread
-reductions (TileLang's, named barriers 1 and 2) run in the intra role only; the roles'
-own named barriers are 3 and up.
+which role blocks running at once do not follow; perf-notes v17). Cross-warp
+reductions (TileLang's column sums: named barriers 1 and 2 and a shared workspace) run
+in the intra role only (the chain role's row sums stay within a quad); the roles' own
+named barriers are 3 and up.
 """
 
 import tilelang
@@ -61,7 +62,7 @@ from .traits import CHUNK, PASS_CONFIGS, TARGET
 STATE_REGS, CHAIN_REGS, INTRA_REGS, LOAD_REGS = 160, 160, 168, 24
 assert STATE_REGS + CHAIN_REGS + INTRA_REGS + LOAD_REGS <= 4 * 128
 #: named barriers of the roles' own threads (0 is __syncthreads', 1 and 2 TileLang's
-#: cross-thread reductions, which only the intra role runs)
+#: cross-warp reductions, which only the intra role runs)
 CHAIN_BAR, INTRA_BAR, LOAD_BAR = 3, 4, 5
 
 
@@ -194,7 +195,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             sedo_b = T.alloc_barrier(128)      # intra -> state: scale E dO
             ss_b = T.alloc_barrier(128)        # state -> intra: <S0, dS1> partials
             chain_end = T.alloc_barrier(128)   # chain -> intra: dD, dN rows
-            free = T.alloc_barrier(384)        # state, chain, intra -> load: chunk done
+            free = T.alloc_barrier(384)        # state, chain, intra -> load: tiles read
 
             with T.ws(2):                                         # intra
                 T.inc_max_nreg(INTRA_REGS)
@@ -466,8 +467,11 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
     (``backward.Packed``). K = V = 128.
 
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` as ``chunk_bwd_intra.chunk_grads`` plus dh0
-    ``[N, Hv, K, V]`` fp32 (the state gradient at each sequence's start).
-    Raises ``ValueError`` if h is not in q's dtype or K, V are not 128."""
+    ``[N, Hv, K, V]`` fp32 (the state gradient at each sequence's start). Needs at least
+    one token (the TMA descriptors need every dimension >= 1; the API runs a call without
+    tokens on the ``torch`` backend); ``cu_seqlens_cpu`` may be None (no host sync).
+    Raises ``ValueError`` if h is not in q's dtype, K, V are not 128, or dht has fewer
+    rows than there are sequences."""
     from . import traits
     from .backward import pack
     from .chunk_bwd_intra import _sum_groups
@@ -483,6 +487,9 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
                        cu_seqlens)
     N = p.layout.num_seqs
+    if dht is not None and dht.shape[0] < N:
+        raise ValueError(f"fused_grads: dht needs a row per sequence, [{N}, Hv, K, V]; "
+                         f"got {tuple(dht.shape)}")
     NT = h.numel() // (Hv * K * V)
     zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
     alloc = torch.zeros if zero else torch.empty

@@ -59,9 +59,9 @@ SLOTS = 3
 STATE_REGS, AUX_REGS = 208, 88
 assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
 #: Named barriers (0 is __syncthreads'): the aux warpgroup's, and the two state
-#: warpgroups' around the staged h store. TileLang's cross-thread reductions
-#: (``T.reduce_*``, ``tl::AllReduce``) also use ids 1 and 2 and its other syncs 3 and up:
-#: these kernels have no reduction across threads; adding one means new ids here.
+#: warpgroups' around the staged h store. TileLang's cross-warp reductions
+#: (``T.reduce_*``, ``tl::AllReduce``) also use ids 1 and 2: these kernels have no
+#: reduction across warps; adding one means new ids here.
 AUX_BARRIER, STATE_BARRIER = 1, 2
 
 

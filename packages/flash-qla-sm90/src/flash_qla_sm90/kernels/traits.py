@@ -189,7 +189,8 @@ BWD_STATES_IN_DTYPE = True
 #: one CTA per (sequence or segment, value head), four warpgroups by role) instead of
 #: ``chunk_bwd_dh_ws`` + ``chunk_bwd_intra`` where ``backward.fused_pays`` says it is
 #: cheaper (K = V = 128). Verified on an H200 2026-12-01 (v19 call 3,
-#: tests/sm90/test_bwd_fused_gpu.py: 26 passed).
+#: tests/sm90/test_bwd_fused_gpu.py: 26 passed; call 6, after the early release, with
+#: the captured bounded step: 28 passed).
 BWD_FUSED = True
 
 #: The cost model of that choice, us (H200, v19 calls 3 and 6, ``benchmark/tune_chunk_bwd.py``):
