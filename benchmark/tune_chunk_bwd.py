@@ -34,6 +34,7 @@ def run_shape(shape, args):
     from flash_qla_sm90.kernels.backward import chunk_states, pack, state_grads
     from flash_qla_sm90.kernels.chunk_bwd_fused import fused_grads
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_grads
+    from flash_qla_sm90.kernels.forward import waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -63,10 +64,9 @@ def run_shape(shape, args):
     lens = inp["cu_seqlens_cpu"].diff()
     longest = int((lens.max() + 63) // 64)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ctas = len(lens) * v.shape[2]
-    waves = -(-ctas // sms)
-    return [shape.label, ctas, f"{err:.1e}", ms_base, ms_fused,
-            round(ms_base / ms_fused, 2), round(ms_fused * 1e3 / (waves * longest), 2)]
+    rounds = waves(len(lens), v.shape[2], 128, sms, 128)     # one CTA per (walk, head)
+    return [shape.label, len(lens) * v.shape[2], f"{err:.1e}", ms_base, ms_fused,
+            round(ms_base / ms_fused, 2), round(ms_fused * 1e3 / (rounds * longest), 2)]
 
 
 def main(argv=None):

@@ -42,11 +42,12 @@ from .launch import launcher
 from .traits import CHUNK
 
 
-def _kept(states: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def _kept(states: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """The forward's kept chunk states if they are in the dtype this backward reads h in
     (a bounded forward's, replayed by the unsplit backward inside a CUDA-graph capture,
-    may not be), else None: recompute."""
-    return states if states is not None and states.dtype == dtype else None
+    may not be; ``dtype`` None: any, for the fused path, which converts them), else None:
+    recompute."""
+    return states if states is not None and dtype in (None, states.dtype) else None
 
 
 def _fp32_beta(backward):
@@ -215,9 +216,8 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static=True)   # segment offsets
     fused = fused_pays(*walk_chunks(p.layout, cu_seqlens_cpu), v.shape[2], q.shape[-1],
                        v.shape[-1], _sm_count(q.device))
-    h = states if fused else None           # the fused kernel reads any kept states
-    h = h if h is not None else _kept(states, q.dtype if traits.BWD_STATES_IN_DTYPE
-                                      else torch.float32)
+    h = _kept(states, None if fused else
+              q.dtype if traits.BWD_STATES_IN_DTYPE else torch.float32)
     if h is None:
         _, _, h = _fused(
             p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
@@ -261,8 +261,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
     fused = use_dh_kernel and use_intra_kernel and fused_pays(
         *walk_chunks(p.layout, cu_seqlens_cpu), v.shape[2], q.shape[-1], v.shape[-1],
         _sm_count(q.device))
-    h = states if fused else None           # the fused kernel reads any kept states
-    h = h if h is not None else _kept(states, q.dtype if in_dtype else torch.float32)
+    h = _kept(states, None if fused else q.dtype if in_dtype else torch.float32)
     if h is None:
         h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p,
                          h_in_dtype=in_dtype, **common)

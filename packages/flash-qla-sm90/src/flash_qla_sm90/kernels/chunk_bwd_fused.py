@@ -472,18 +472,16 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
     tokens on the ``torch`` backend); ``cu_seqlens_cpu`` may be None (no host sync).
     Raises ``ValueError`` if h is not in q's dtype, K, V are not 128, or dht has fewer
     rows than there are sequences."""
-    from . import traits
     from .backward import pack
-    from .chunk_bwd_intra import _sum_groups
-    from .forward import _DTYPE_NAMES, _zero_padding_rows, static_flags
+    from .chunk_bwd_intra import finish_grads, grad_buffers
+    from .forward import _DTYPE_NAMES, static_flags
 
-    B, T_, Hk, K = q.shape
-    Hv, V = v.shape[2:]
+    Hv, K, V = v.shape[2], q.shape[-1], v.shape[-1]
     if (K, V) != (128, 128):
         raise ValueError(f"fused_grads: K, V must be (128, 128), got {(K, V)}")
     if h.dtype != q.dtype:
         raise ValueError(f"fused_grads: h must be in q's dtype {q.dtype}, got {h.dtype}")
-    Tt, dt = B * T_, q.dtype
+    dt = q.dtype
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
                        cu_seqlens)
     N = p.layout.num_seqs
@@ -491,27 +489,14 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
         raise ValueError(f"fused_grads: dht needs a row per sequence, [{N}, Hv, K, V]; "
                          f"got {tuple(dht.shape)}")
     NT = h.numel() // (Hv * K * V)
-    zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
-    alloc = torch.zeros if zero else torch.empty
-    in_dtype = Hv == Hk or traits.BWD_GVA_GRADS_IN_DTYPE    # dq, dk per value head
-    qk_dtype = dt if in_dtype else torch.float32
-    G = Hv // Hk
-    dq = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)  # head hk * G + g at [g, :, hk]
-    dk = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)
-    dv = alloc(Tt, Hv, V, dtype=dt, device=q.device)
-    dbeta = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
-    dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
     dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
     launcher(chunk_bwd_fused_kernel, _DTYPE_NAMES[dt], K, V, has_dht,
-             *static_flags(in_dtype))(
+             *static_flags(dq.dtype == dt))(
         p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
         h.reshape(max(NT, 1), Hv, K, V) if NT else h.new_zeros(1, Hv, K, V),
         p.layout.cu_seqlens, p.layout.chunk_offsets,
         dht.contiguous() if has_dht else dh0, float(scale),
         dq, dk, dv, dbeta, dg, dh0)
-    return (_sum_groups(dq).view(B, T_, Hk, K).to(q.dtype),
-            _sum_groups(dk).view(B, T_, Hk, K).to(k.dtype),
-            dv.view(B, T_, Hv, V).to(v.dtype),
-            dbeta.view(B, T_, Hv).to(beta.dtype),
-            dg.view(B, T_, Hv), dh0)
+    return (*finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta), dh0)

@@ -422,43 +422,66 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     ``[B, T, Hv, V]`` in v's dtype; dbeta ``[B, T, Hv]`` in beta's dtype; dg
     ``[B, T, Hv]`` fp32. Padding tokens after ``cu_seqlens[-1]`` get zeros.
     """
-    from . import traits
     from .backward import pack
-    from .forward import _DTYPE_NAMES, _zero_padding_rows, static_flags
+    from .forward import _DTYPE_NAMES, static_flags
 
-    B, T, Hk, K = q.shape
-    Hv, V = v.shape[2:]
-    Tt, dt = B * T, q.dtype
+    Hv, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    dt = q.dtype
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
                        cu_seqlens)
     NT = h.numel() // (Hv * K * V)
-    zero = NT == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
-    alloc = torch.zeros if zero else torch.empty
-    in_dtype = Hv == Hk or traits.BWD_GVA_GRADS_IN_DTYPE    # dq, dk per value head
-    qk_dtype = dt if in_dtype else torch.float32
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
     states_in_dtype = h.dtype == dt and dS1.dtype == dt      # backward.states_in_dtype
     state_dtype = dt if states_in_dtype else torch.float32
-    G = Hv // Hk
-    dq = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)  # head hk * G + g at [g, :, hk]
-    dk = alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device)
-    dv = alloc(Tt, Hv, V, dtype=dt, device=q.device)
-    dbeta = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
-    dg = alloc(Tt, Hv, dtype=torch.float32, device=q.device)
     if NT > 0:
-        statics = static_flags(in_dtype, states_in_dtype)
+        statics = static_flags(dq.dtype == dt, states_in_dtype)
         launcher(chunk_bwd_intra_kernel, _DTYPE_NAMES[dt], K, V, *statics)(
             p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
             h.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             dS1.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
             p.layout.cu_seqlens, p.layout.chunk_offsets, p.layout.chunk_idx, float(scale),
             dq, dk, dv, dbeta, dg)
-    # the group sums accumulate in fp32 either way; the casts act only on fp32 per-head grads
+    return finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta)
+
+
+def grad_buffers(q, v, num_chunks: int, cu_seqlens, cu_seqlens_cpu) -> tuple:
+    """The outputs the per-chunk gradient kernels write (``chunk_bwd_intra``,
+    ``chunk_bwd_fused``) for ``Kernels.bwd``'s q ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]``:
+    dq, dk ``[G, Tt, Hk, K]`` per value head, group-major (hv = hk * G + g at
+    ``[g, :, hk]``), in q's dtype where Hv = Hk or ``traits.BWD_GVA_GRADS_IN_DTYPE``, else
+    fp32 (the kernels' ``qk_grads_in_dtype``: ``dq.dtype == q.dtype``); dv ``[Tt, Hv, V]``
+    in q's dtype; dbeta, dg ``[Tt, Hv]`` fp32. Zeroed where some rows stay unwritten
+    (padding tokens after ``cu_seqlens[-1]``, or no chunk at all)."""
+    from . import traits
+    from .forward import _zero_padding_rows
+
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2:]
+    Tt, dt = B * T, q.dtype
+    zero = num_chunks == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
+    alloc = torch.zeros if zero else torch.empty
+    in_dtype = Hv == Hk or traits.BWD_GVA_GRADS_IN_DTYPE    # dq, dk per value head
+    qk_dtype = dt if in_dtype else torch.float32
+    G = Hv // Hk
+    return (alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device),
+            alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device),
+            alloc(Tt, Hv, V, dtype=dt, device=q.device),
+            alloc(Tt, Hv, dtype=torch.float32, device=q.device),
+            alloc(Tt, Hv, dtype=torch.float32, device=q.device))
+
+
+def finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta) -> tuple:
+    """:func:`grad_buffers` filled by a kernel -> ``(dq, dk, dv, dbeta, dg)`` as
+    ``Kernels.bwd`` returns them: the GVA sum of dq, dk (:func:`_sum_groups`), ``[B, T,
+    ...]`` views in the inputs' dtypes (the group sums accumulate in fp32 either way; the
+    casts act only on fp32 per-head grads), dg fp32."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2:]
     return (_sum_groups(dq).view(B, T, Hk, K).to(q.dtype),
             _sum_groups(dk).view(B, T, Hk, K).to(k.dtype),
             dv.view(B, T, Hv, V).to(v.dtype),
             dbeta.view(B, T, Hv).to(beta.dtype),
             dg.view(B, T, Hv))
-
 
 
 #: Rows of ``[Tt * Hk, K]`` per CTA of :func:`group_sum_kernel` (128 threads, 32 elements
