@@ -216,6 +216,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     # U = Ag X
                     T.barrier_wait(pag, ph)
                     T.gemm(ag_s, vx_s, iv, clear_accum=True)                       # U
+                    if qk_grads_in_dtype:           # the last chunk's dq store has read
+                        T.tma_store_wait()          # U's tile (one elected thread's
+                        T.sync_threads(INTRA_BAR, 128)      # store; the others pass)
                     T.copy(iv, u_s)
                     T.fence_proxy_async()
                     T.sync_threads(INTRA_BAR, 128)
@@ -277,11 +280,25 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i in T.Parallel(C):
                         vec_s[7, i] = T.exp2(gam_s[C - 1]) * (ss_s[i] + ss_s[i + C])
                     T.barrier_arrive(free)
-                    for i, j in T.Parallel(C, K):
-                        if i < rows:
-                            dq[gv, t0 + i, hk, j] = iv[i, j]
+                    T.barrier_wait(chain_end, ph)   # the chain's last read of U is done
+                    # dq: a whole chunk in q's dtype through U's tile (free until this
+                    # role's next U) and one TMA store; a tail chunk, or fp32 dq, by
+                    # element (TMA would write the next sequence's rows)
+                    if qk_grads_in_dtype:
+                        if rows == C:
+                            T.copy(iv, u_s)
+                            T.fence_proxy_async()
+                            T.sync_threads(INTRA_BAR, 128)
+                            T.tma_copy(u_s, dq[gv, t0:t0 + C, hk, :])
+                        else:
+                            for i, j in T.Parallel(C, K):
+                                if i < rows:
+                                    dq[gv, t0 + i, hk, j] = iv[i, j]
+                    else:
+                        for i, j in T.Parallel(C, K):
+                            if i < rows:
+                                dq[gv, t0 + i, hk, j] = iv[i, j]
                     # dbeta, and dg = reverse cumsum of dgam (+ the gam_C terms)
-                    T.barrier_wait(chain_end, ph)
                     T.sync_threads(INTRA_BAR, 128)          # vec_s rows of every thread
                     for i in T.Parallel(C):
                         if i < rows:
@@ -299,6 +316,8 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i in T.Parallel(C):
                         if i < rows:
                             dg[t0 + i, hh] = r_dg[i]
+                if qk_grads_in_dtype:               # shared memory lives until the
+                    T.tma_store_wait()              # last dq store has read it
 
             with T.ws(1):                                         # chain
                 T.inc_max_nreg(CHAIN_REGS)
