@@ -3,9 +3,9 @@ operations: one emulated CTA per (sequence, value head) walks the chunks from th
 to the first with dS in fp32, every per-chunk gradient from the same tiles, the row
 factors moved onto products as the kernel does (``<Q, (scale E dO) S0^T>`` for the
 ``<dO, Q S0>`` term, ``D <K, U dS1^T>`` for dD, ``dP * Ps`` for dGG's ``dP * G * Q
-K^T``) and ``<S0, dS1>`` from the two operand tiles. Compared with the chunk-parallel
-backward (exact math, 1e-10) and, with every shared-memory operand rounded to bf16,
-within half the GPU tests' tolerances. The kernel itself is checked on the GPU
+K^T``) and ``<S0, dS1>`` from S0's tile and the fp32 state gradient. Compared with the
+chunk-parallel backward (exact math, 1e-10) and, with every shared-memory operand
+rounded to bf16, within half the GPU tests' tolerances. The kernel itself is checked on the GPU
 (test_bwd_fused_gpu.py)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def emulate_chunk(x, S0, dS, scale, t0, rows, h, hk, rnd):
     """One chunk of the walk: returns ``(dq, dk, dv, dbeta, dg)`` for its ``rows`` rows
     and the chunk-start state gradient (fp32 in the kernel: not rounded)."""
     i = torch.arange(C)
-    # load role: tiles (rows past the end zeroed), gates, <S0, dS1>
+    # load role: tiles (rows past the end zeroed), gates
     valid = (i < rows)[:, None]
     q_c = torch.where(valid, _rows(x["q"][:, hk], t0), 0.0)
     k_c = torch.where(valid, _rows(x["k"][:, hk], t0), 0.0)
@@ -42,7 +42,7 @@ def emulate_chunk(x, S0, dS, scale, t0, rows, h, hk, rnd):
     eg, ed = torch.exp2(gam), torch.exp2(gam[C - 1] - gam)
     b = torch.where(i < rows, _rows(x["beta"][:, h], t0), 0.0)
     s0_s, ds1_s = rnd(S0), rnd(dS)                              # state role: dS1 tile
-    ss = (s0_s * ds1_s).sum(dim=1)                              # [K]
+    ss = (s0_s * dS).sum(dim=1)               # state role: its fp32 dS1 against S0's tile
     # chain: Ps, G, Ag
     live = (i[:, None] >= i[None, :]) & (i[:, None] < rows)
     decay = torch.where(live, torch.exp2(torch.clamp(gam[:, None] - gam[None, :], max=0.0)),

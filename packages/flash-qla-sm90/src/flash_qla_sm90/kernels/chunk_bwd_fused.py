@@ -10,10 +10,11 @@ by ``tests/sm90/test_bwd_fused_algorithm.py``; FlashQLA 0.1.3's backward has the
 structure, docs/perf-notes.md v12):
 
 - warpgroup 3, load: q, k, dO, v, A and S0 (h in q's dtype) by TMA from one thread,
-  rows past the sequence's end zeroed, the gate factors; and ``<S0, dS1>`` (for dg)
-  from the two shared tiles while the others compute;
-- warpgroup 0, state: dS1 (its registers) to shared memory in q's dtype; then
-  ``dS0^T = exp(gam_C) dS1^T + (scale E dO)^T Q + (-E dX)^T K`` once both tiles exist;
+  rows past the sequence's end zeroed, the gate factors (fetched one chunk ahead);
+- warpgroup 0, state: dS1 (its registers) to shared memory in q's dtype, and each
+  thread's share of ``<S0, dS1>`` (for dg: its own dS1 elements against S0's tile, in
+  fp32; 128 partial sums that dg's reduction adds up); then ``dS0^T = exp(gam_C) dS1^T
+  + (scale E dO)^T Q + (-E dX)^T K`` once both tiles exist;
 - warpgroup 1, chain: Q K^T, Ps = scale G * tril(Q K^T), Ag, G; ``dU = D (K dS1) + Ps^T
   dO``; ``dX = Ag^T dU`` (= dv) and -E dX; ``A^T M``, ``dN``, ``diag(beta) dN``, ``<dN, K
   K^T>``; ``dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K`` and ``dD``;
@@ -143,15 +144,15 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             ed_s = T.alloc_shared((C,), f32)         # exp(gam_C - gam)
             beta_s = T.alloc_shared((C,), f32)
             vec_s = T.alloc_shared((8, C), f32)      # per-row terms of dbeta, dg
-            ss_s = T.alloc_shared((K,), f32)         # row sums of S0 * dS1
+            ss_s = T.alloc_shared((K,), f32)         # <S0, dS1> per state thread
             dgam_s = T.alloc_shared((C,), f32)
             # load role
-            ss_f = T.alloc_fragment((K,), f32)
             gam_next = T.alloc_fragment((C,), f32)   # the next chunk's gates
             gam_last_next = T.alloc_fragment((C,), f32)
             beta_next = T.alloc_fragment((C,), f32)
             # state role
             dst = T.alloc_fragment((V, K), f32)      # dS^T
+            ssp = T.alloc_local((1,), f32)
             # chain role
             qk = T.alloc_fragment((C, C), f32)       # Q K^T, Ps; A^T M; A^T M A^T
             gb = T.alloc_fragment((C, C), f32)       # G; K K^T
@@ -192,7 +193,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             m_b = T.alloc_barrier(128)         # intra -> chain: M
             dpg_b = T.alloc_barrier(128)       # intra -> chain: dP * G
             sedo_b = T.alloc_barrier(128)      # intra -> state: scale E dO
-            ss_b = T.alloc_barrier(128)        # load -> intra: <S0, dS1> rows
+            ss_b = T.alloc_barrier(128)        # state -> intra: <S0, dS1> partials
             chain_end = T.alloc_barrier(128)   # chain -> intra: dD, dN rows
             free = T.alloc_barrier(384)        # state, chain, intra -> load: tiles read
 
@@ -215,6 +216,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     # U = Ag X
                     T.barrier_wait(pag, ph)
                     T.gemm(ag_s, vx_s, iv, clear_accum=True)                       # U
+                    if qk_grads_in_dtype:           # the last chunk's dq store has read
+                        T.tma_store_wait()          # U's tile (one elected thread's
+                        T.sync_threads(INTRA_BAR, 128)      # store; the others pass)
                     T.copy(iv, u_s)
                     T.fence_proxy_async()
                     T.sync_threads(INTRA_BAR, 128)
@@ -276,11 +280,25 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i in T.Parallel(C):
                         vec_s[7, i] = T.exp2(gam_s[C - 1]) * (ss_s[i] + ss_s[i + C])
                     T.barrier_arrive(free)
-                    for i, j in T.Parallel(C, K):
-                        if i < rows:
-                            dq[gv, t0 + i, hk, j] = iv[i, j]
+                    T.barrier_wait(chain_end, ph)   # the chain's last read of U is done
+                    # dq: a whole chunk in q's dtype through U's tile (free until this
+                    # role's next U) and one TMA store; a tail chunk, or fp32 dq, by
+                    # element (TMA would write the next sequence's rows)
+                    if qk_grads_in_dtype:
+                        if rows == C:
+                            T.copy(iv, u_s)
+                            T.fence_proxy_async()
+                            T.sync_threads(INTRA_BAR, 128)
+                            T.tma_copy(u_s, dq[gv, t0:t0 + C, hk, :])
+                        else:
+                            for i, j in T.Parallel(C, K):
+                                if i < rows:
+                                    dq[gv, t0 + i, hk, j] = iv[i, j]
+                    else:
+                        for i, j in T.Parallel(C, K):
+                            if i < rows:
+                                dq[gv, t0 + i, hk, j] = iv[i, j]
                     # dbeta, and dg = reverse cumsum of dgam (+ the gam_C terms)
-                    T.barrier_wait(chain_end, ph)
                     T.sync_threads(INTRA_BAR, 128)          # vec_s rows of every thread
                     for i in T.Parallel(C):
                         if i < rows:
@@ -298,6 +316,8 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i in T.Parallel(C):
                         if i < rows:
                             dg[t0 + i, hh] = r_dg[i]
+                if qk_grads_in_dtype:               # shared memory lives until the
+                    T.tma_store_wait()              # last dq store has read it
 
             with T.ws(1):                                         # chain
                 T.inc_max_nreg(CHAIN_REGS)
@@ -397,6 +417,11 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                         ds1_s[j, i] = dst[i, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(ds1_b)
+                    ssp[0] = 0.0                   # this thread's share of <S0, dS1>
+                    for i, j in T.Parallel(V, K):
+                        ssp[0] = ssp[0] + dst[i, j] * T.cast(s0_s[j, i], f32)
+                    ss_s[T.get_thread_binding()] = ssp[0]
+                    T.barrier_arrive(ss_b)
                     for i, j in T.Parallel(V, K):
                         dst[i, j] = dst[i, j] * eg_s[C - 1]
                     T.barrier_wait(sedo_b, ph)
@@ -445,16 +470,6 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     if c > 0:                   # the next chunk's gates, in flight
                         fetch_gates(g_cumsum, beta, hh, t0 - C, last, gam_next,
                                     gam_last_next, beta_next)
-                    # <S0, dS1> row sums, while the other roles compute
-                    T.barrier_wait(ds1_b, ph)
-                    for i in T.Parallel(K):
-                        ss_f[i] = 0.0
-                        for j in T.serial(V):
-                            ss_f[i] = ss_f[i] + (T.cast(s0_s[i, j], f32)
-                                                 * T.cast(ds1_s[i, j], f32))
-                    for i in T.Parallel(K):
-                        ss_s[i] = ss_f[i]
-                    T.barrier_arrive(ss_b)
 
     return chunk_bwd_fused
 

@@ -193,13 +193,13 @@ BWD_STATES_IN_DTYPE = True
 #: the captured bounded step: 28 passed).
 BWD_FUSED = True
 
-#: The cost model of that choice, us (H200, v19 calls 3 and 6, ``benchmark/tune_chunk_bwd.py``):
-#: one chunk step of the fused kernel's CTA (15.9-16.9 at 128-256 CTAs since its early
-#: release of the tiles, call 6; 16.4-17.7 before); one chunk step
+#: The cost model of that choice, us (H200, ``benchmark/tune_chunk_bwd.py``):
+#: one chunk step of the fused kernel's CTA (12.8-14.0 at 128 CTAs since <S0, dS1> moved
+#: to the state role and dq leaves by TMA, v20 call 1; 15.9-16.9 in v19 call 6); one chunk step
 #: of ``chunk_bwd_dh_ws`` (2.7: 2/8 1x32768, two-kernel 1.92 ms less the intra kernel's
 #: share); one ``chunk_bwd_intra`` CTA (one per chunk and value head, one per SM: 16.9,
 #: v19 call 1's profile, 1045 us / 62 waves at 4/16 1x32768).
-BWD_FUSED_STEP_US = 16.5
+BWD_FUSED_STEP_US = 13.4
 BWD_SWEEP_STEP_US = 2.7
 BWD_INTRA_CTA_US = 16.9
 
