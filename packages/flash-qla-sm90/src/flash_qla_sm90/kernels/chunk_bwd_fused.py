@@ -164,6 +164,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             ks0 = T.alloc_fragment((C, V), f32)      # K S0
             iv = T.alloc_fragment((C, V), f32)       # X; U; dq
             iv2 = T.alloc_fragment((C, V), f32)      # -E dX * K S0; dq's first times Q
+            tb = T.alloc_fragment((C, V), dtype)     # -E dX; Q (read by ldmatrix)
             dag = T.alloc_fragment((C, C), f32)      # dAg; dP
             dgg = T.alloc_fragment((C, C), f32)      # dGG
             cc = T.alloc_fragment((C, C), f32)       # dAg * G * A; dg's sum
@@ -255,8 +256,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                         vec_s[6, j] = c_dgg[j]
                     # <-E dX, K S0>
                     T.barrier_wait(edx_b, ph)
+                    T.copy(edx_s, tb)
                     for i, j in T.Parallel(C, V):
-                        iv2[i, j] = T.cast(edx_s[i, j], f32) * ks0[i, j]
+                        iv2[i, j] = T.cast(tb[i, j], f32) * ks0[i, j]
                     T.reduce_sum(iv2, r_ks, dim=1, batch=2)
                     for i in T.Parallel(C):
                         vec_s[3, i] = r_ks[i]
@@ -268,8 +270,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     T.barrier_arrive(sedo_b)
                     # dq = (scale E dO) S0^T + (dP G) K; <Q, (scale E dO) S0^T> rows
                     T.gemm(do_s, s0_s, iv, transpose_B=True, clear_accum=True)
+                    T.copy(q_s, tb)
                     for i, j in T.Parallel(C, K):
-                        iv2[i, j] = iv[i, j] * T.cast(q_s[i, j], f32)
+                        iv2[i, j] = iv[i, j] * T.cast(tb[i, j], f32)
                     T.reduce_sum(iv2, r_qs, dim=1, batch=2)
                     for i in T.Parallel(C):
                         vec_s[0, i] = r_qs[i]
