@@ -20,7 +20,9 @@ structure, docs/perf-notes.md v12):
   K^T>``; ``dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K`` and ``dD``;
 - warpgroup 2, intra: ``X = V - E K S0``, ``U = Ag X``, ``dAg = dU X^T`` (M, dbeta's
   first term, M * A), ``dP = dO U^T`` (dP G, dGG), ``<-E dX, K S0>``, scale E dO,
-  ``dq = (scale E dO) S0^T + (dP G) K`` and ``<Q, (scale E dO) S0^T>``, dbeta, dg.
+  ``dq = (scale E dO) S0^T + (dP G) K`` and ``<Q, (scale E dO) S0^T>``, dbeta, dg; a
+  whole chunk's dq in q's dtype leaves through U's tile (free once the chain role has
+  read U) by one TMA store, a tail chunk or fp32 dq by element.
 
 Row factors are moved onto the products where their tiles are:
 ``<dO_i, (Q S0)_i> scale E_i = <Q_i, (scale E dO S0^T)_i>`` (dq's first product) and
@@ -96,7 +98,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
         dh0             [N, Hv, K, V]   fp32 out, state gradient at each start
     Only rows of real tokens are written."""
     C = CHUNK
-    assert K == V == 2 * C       # <S0, dS1> row sums folded onto the C rows of dg's sum
+    # <S0, dS1>: the state role (warpgroup 0, threads 0..127: its thread index is its
+    # slot of ss_s) writes 128 = K partial sums, which the intra role folds as 2 per row
+    assert K == V == 2 * C == 128
     Tt, Hk, Hv, NG, N, N0, N1, NT = T.dynamic("Tt, Hk, Hv, NG, N, N0, N1, NT")
     f32 = "float32"
     qk_grad = dtype if qk_grads_in_dtype else f32
@@ -130,7 +134,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             vx_s = T.alloc_shared((C, V), dtype)     # V, then X = V - E K S0
             s0_s = T.alloc_shared((K, V), dtype)
             ds1_s = T.alloc_shared((K, V), dtype)
-            u_s = T.alloc_shared((C, V), dtype)      # U = Ag X
+            u_s = T.alloc_shared((C, V), dtype)      # U = Ag X, then dq (TMA store)
             du_s = T.alloc_shared((C, V), dtype)     # dU
             edx_s = T.alloc_shared((C, V), dtype)    # -E dX
             a_s = T.alloc_shared((C, C), dtype)      # A
@@ -188,7 +192,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             loaded = T.alloc_barrier(128)      # TMA -> load (128 arrivals + bytes)
             ready = T.alloc_barrier(128)       # load -> all: tiles, zeroed rows, gates
             pag = T.alloc_barrier(128)         # chain -> intra: Ag, G (and Ps)
-            ds1_b = T.alloc_barrier(128)       # state -> chain, load: dS1 tile
+            ds1_b = T.alloc_barrier(128)       # state -> chain: dS1 tile
             du_b = T.alloc_barrier(128)        # chain -> intra: dU
             edx_b = T.alloc_barrier(128)       # chain -> intra, state: -E dX
             m_b = T.alloc_barrier(128)         # intra -> chain: M
@@ -423,7 +427,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     ssp[0] = 0.0                   # this thread's share of <S0, dS1>
                     for i, j in T.Parallel(V, K):
                         ssp[0] = ssp[0] + dst[i, j] * T.cast(s0_s[j, i], f32)
-                    ss_s[T.get_thread_binding()] = ssp[0]
+                    ss_s[T.get_thread_binding()] = ssp[0]     # ws(0): threads 0..127
                     T.barrier_arrive(ss_b)
                     for i, j in T.Parallel(V, K):
                         dst[i, j] = dst[i, j] * eg_s[C - 1]
