@@ -222,13 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tim.add_argument(
         "--worker-per",
-        choices=["config", "heads"],
+        choices=["config", "heads", "mode"],
         default="config",
         help="config (default): every (implementation, configuration) in a fresh "
         "process; heads: one process per implementation measures the consecutive "
         "configurations of one mode and Hk/Hv in turn (imports, kernel loads and FLA's "
         "tuning paid once per group: a whole grid in a fraction of the time; the "
-        "first-call columns then come from each group's first configuration only)",
+        "first-call columns then come from each group's first configuration only); "
+        "mode: the same over the consecutive configurations of one mode, any heads "
+        "(the peers' imports, ~12 s for FlashQLA 0.1.3 on the H200, paid once per run)",
     )
     tim.add_argument(
         "--cold-first-call",
@@ -443,14 +445,15 @@ def _safe(key: str) -> str:
 def _worker_groups(shapes: list[C.Shape], worker_per: str) -> list[list[C.Shape]]:
     """Shapes measured by one worker process per implementation: each alone
     (``config``, the fresh-process default), or consecutive shapes of the same mode and
-    heads together (``heads``: one import and one peer tuning per group)."""
+    heads together (``heads``: one import and one peer tuning per group), or of the
+    same mode (``mode``: one import per run and mode)."""
     if worker_per == "config":
         return [[s] for s in shapes]
+    key = ((lambda s: s.mode) if worker_per == "mode"
+           else (lambda s: (s.mode, s.hk, s.hv)))
     groups: list[list[C.Shape]] = []
     for s in shapes:
-        if groups and (groups[-1][0].mode, groups[-1][0].hk, groups[-1][0].hv) == (
-            s.mode, s.hk, s.hv
-        ):
+        if groups and key(groups[-1][0]) == key(s):
             groups[-1].append(s)
         else:
             groups.append([s])
@@ -476,12 +479,15 @@ def _timing_line(meta: dict) -> str:
     """The report's timing line on a GPU: how the workers ran (``--worker-per``) and how
     FLA was tuned (``--fla-tuning``)."""
     per_config = meta.get("worker_per", "config") == "config"
+    group = ("mode" if meta.get("worker_per") == "mode" else "mode and Hk/Hv group")
     workers = ("each (implementation, config) in a fresh process, FLA " if per_config else
-               "one process per (implementation, mode and Hk/Hv group) measuring the "
+               f"one process per (implementation, {group}) measuring the "
                "group's configs in turn, FLA (its tuning key has no T or B) ")
     if meta.get("fla_tuning", "per-shape") == "per-shape":
+        first = ("the group's first config" if group != "mode"
+                 else "the first config of each Hk/Hv in it")
         tuning = ("autotuned on that shape" if per_config
-                  else "autotuned on the group's first config") + " (FLA_CACHE_RESULTS=0"
+                  else f"autotuned on {first}") + " (FLA_CACHE_RESULTS=0"
     else:
         tuning = ("with its on-disk autotune cache (FLA_CACHE_RESULTS=1: a shape reuses the "
                   "tuning of an earlier one with the same heads and dims, any T / B")

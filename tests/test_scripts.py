@@ -206,6 +206,9 @@ def test_benchmark_worker_per_heads_batches_a_group(tmp_path):
     assert [len(g) for g in
             bench._worker_groups(C.select_shapes(shapes, ["fwd", "bwd"], []), "heads")
             ] == [2, 1]
+    assert [len(g) for g in bench._worker_groups(            # --worker-per mode
+        C.select_shapes("fwd:2/4@1x128,fwd:4/8@1x128,bwd:2/2@1x64", ["fwd", "bwd"], []),
+        "mode")] == [2, 1]
     p = _run([BENCH, "--device", "cpu", "--out", str(tmp_path), "--worker-per", "heads",
               "--shapes", shapes, "--keep-scratch"])
     assert p.returncode == 0, p.stdout + p.stderr
