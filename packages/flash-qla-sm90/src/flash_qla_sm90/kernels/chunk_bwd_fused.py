@@ -291,16 +291,11 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     # dq: a whole chunk in q's dtype through U's tile (free until this
                     # role's next U) and one TMA store; a tail chunk, or fp32 dq, by
                     # element (TMA would write the next sequence's rows)
-                    if qk_grads_in_dtype:
-                        if rows == C:
-                            T.copy(iv, u_s)
-                            T.fence_proxy_async()
-                            T.sync_threads(INTRA_BAR, 128)
-                            T.tma_copy(u_s, dq[gv, t0:t0 + C, hk, :])
-                        else:
-                            for i, j in T.Parallel(C, K):
-                                if i < rows:
-                                    dq[gv, t0 + i, hk, j] = iv[i, j]
+                    if qk_grads_in_dtype and rows == C:
+                        T.copy(iv, u_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(INTRA_BAR, 128)
+                        T.tma_copy(u_s, dq[gv, t0:t0 + C, hk, :])
                     else:
                         for i, j in T.Parallel(C, K):
                             if i < rows:
