@@ -34,12 +34,12 @@ from .forward import (
     _walk_args,
     fused_plan,
     fused_tiling,
+    host_chunks,
     layout_for,
     static_flags,
     total_chunks,
 )
 from .launch import launcher
-from .traits import CHUNK
 
 
 def _kept(states: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -116,8 +116,7 @@ def walk_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> tuple[int, int]:
     if layout.num_chunks is not None:                        # dense: N equal sequences
         return layout.num_chunks // max(layout.num_seqs, 1), layout.num_chunks
     if cu_seqlens_cpu is not None:
-        cu = cu_seqlens_cpu.tolist()
-        chunks = [-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:])]
+        chunks = host_chunks(cu_seqlens_cpu)
         return max(chunks, default=0), sum(chunks)
     bound = layout.num_chunks_max - layout.num_seqs          # ceil(Tt / C)
     return bound, bound

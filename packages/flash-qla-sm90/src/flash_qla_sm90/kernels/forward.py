@@ -86,12 +86,18 @@ def chunks_known(layout: ChunkLayout, cu_seqlens_cpu) -> bool:
     return layout.num_chunks is not None or cu_seqlens_cpu is not None
 
 
+def host_chunks(cu_seqlens_cpu) -> list[int]:
+    """Chunks of each sequence, from host offsets ``[N + 1]`` (in Python: a few host
+    tensor ops cost more)."""
+    cu = cu_seqlens_cpu.tolist()
+    return [-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:])]
+
+
 def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
     if layout.num_chunks is not None:
         return layout.num_chunks
-    if cu_seqlens_cpu is not None:             # in Python: a few host tensor ops cost more
-        cu = cu_seqlens_cpu.tolist()
-        return sum(-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:]))
+    if cu_seqlens_cpu is not None:
+        return sum(host_chunks(cu_seqlens_cpu))
     return int(layout.chunk_offsets[-1].item())   # host sync: h needs its size
 
 
