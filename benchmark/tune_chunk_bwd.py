@@ -34,7 +34,7 @@ def run_shape(shape, args):
     from flash_qla_sm90.kernels.backward import chunk_states, pack, state_grads
     from flash_qla_sm90.kernels.chunk_bwd_fused import fused_grads
     from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_grads
-    from flash_qla_sm90.kernels.forward import waves
+    from flash_qla_sm90.kernels.forward import host_chunks, waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -61,11 +61,11 @@ def run_shape(shape, args):
     base, ours = two_kernels(), fused()
     err = max(rel_err(a, b) for a, b in zip(ours, base))
     ms_base, ms_fused = bench(two_kernels), bench(fused)
-    lens = inp["cu_seqlens_cpu"].diff()
-    longest = int((lens.max() + 63) // 64)
+    chunks = host_chunks(inp["cu_seqlens_cpu"])              # per sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rounds = waves(len(lens), v.shape[2], 128, sms, 128)     # one CTA per (walk, head)
-    return [shape.label, len(lens) * v.shape[2], f"{err:.1e}", ms_base, ms_fused,
+    rounds = waves(len(chunks), v.shape[2], 128, sms, 128)   # one CTA per (walk, head)
+    longest = max(chunks)
+    return [shape.label, len(chunks) * v.shape[2], f"{err:.1e}", ms_base, ms_fused,
             round(ms_base / ms_fused, 2), round(ms_fused * 1e3 / (rounds * longest), 2)]
 
 
