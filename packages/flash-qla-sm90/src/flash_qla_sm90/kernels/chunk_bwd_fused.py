@@ -18,6 +18,8 @@ structure, docs/perf-notes.md v12):
 - warpgroup 1, chain: Q K^T, Ps = scale G * tril(Q K^T), Ag, G; ``dU = D (K dS1) + Ps^T
   dO``; ``dX = Ag^T dU`` (= dv) and -E dX; ``A^T M``, ``dN``, ``diag(beta) dN``, ``<dN, K
   K^T>``; ``dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K`` and ``dD``;
+  a whole chunk's dv, and dk in q's dtype, leave through dU's tile (free once the intra
+  role has read dU, "m") by TMA stores, a tail chunk's by element;
 - warpgroup 2, intra: ``X = V - E K S0``, ``U = Ag X``, ``dAg = dU X^T`` (M, dbeta's
   first term, M * A), ``dP = dO U^T`` (dP G, dGG), ``<-E dX, K S0>``, scale E dO,
   ``dq = (scale E dO) S0^T + (dP G) K`` and ``<Q, (scale E dO) S0^T>``, dbeta, dg; a
@@ -135,7 +137,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             s0_s = T.alloc_shared((K, V), dtype)
             ds1_s = T.alloc_shared((K, V), dtype)
             u_s = T.alloc_shared((C, V), dtype)      # U = Ag X, then dq (TMA store)
-            du_s = T.alloc_shared((C, V), dtype)     # dU
+            du_s = T.alloc_shared((C, V), dtype)     # dU, then dv and dk (TMA stores)
             edx_s = T.alloc_shared((C, V), dtype)    # -E dX
             a_s = T.alloc_shared((C, C), dtype)      # A
             p_s = T.alloc_shared((C, C), dtype)      # Ps = scale P, then dP * G
@@ -161,7 +163,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
             qk = T.alloc_fragment((C, C), f32)       # Q K^T, Ps; A^T M; A^T M A^T
             gb = T.alloc_fragment((C, C), f32)       # G; K K^T
             cv = T.alloc_fragment((C, V), f32)       # dU; dX; dk
-            cv2 = T.alloc_fragment((C, V), f32)      # dk's first product times K
+            cv2 = T.alloc_fragment((C, V), f32)      # -E dX; dk's first product times K
             r_dn = T.alloc_fragment((C,), f32)
             r_dd = T.alloc_fragment((C,), f32)
             # intra role
@@ -350,23 +352,31 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i, j in T.Parallel(C, V):
                         cv[i, j] = cv[i, j] * ed_s[i]
                     T.gemm(p_s, do_s, cv, transpose_A=True)                       # + Ps^T dO
+                    T.tma_store_wait()              # the last chunk's dv / dk stores have
+                    T.sync_threads(CHAIN_BAR, 128)  # read dU's tile (one elected thread's)
                     T.copy(cv, du_s)
                     T.fence_proxy_async()
                     T.sync_threads(CHAIN_BAR, 128)
                     T.barrier_arrive(du_b)
                     # dX = Ag^T dU (= dv), -E dX
                     T.gemm(ag_s, du_s, cv, transpose_A=True, clear_accum=True)     # dX
+                    if rows < C:                    # a tail chunk's dv by element
+                        for i, j in T.Parallel(C, V):
+                            if i < rows:
+                                dv[t0 + i, hh, j] = cv[i, j]
                     for i, j in T.Parallel(C, V):
-                        if i < rows:
-                            dv[t0 + i, hh, j] = cv[i, j]
-                    for i, j in T.Parallel(C, V):
-                        cv[i, j] = -eg_s[i] * cv[i, j]
-                    T.copy(cv, edx_s)
+                        cv2[i, j] = -eg_s[i] * cv[i, j]
+                    T.copy(cv2, edx_s)
                     T.fence_proxy_async()
                     T.sync_threads(CHAIN_BAR, 128)
                     T.barrier_arrive(edx_b)
                     # dN = strictly_lower(-A^T M A^T): diag(beta) dN, <dN, K K^T> rows
-                    T.barrier_wait(m_b, ph)
+                    T.barrier_wait(m_b, ph)         # also: the intra role has read dU
+                    if rows == C:                   # a whole chunk's dv through dU's tile
+                        T.copy(cv, du_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(CHAIN_BAR, 128)
+                        T.tma_copy(du_s, dv[t0:t0 + C, hh, :])
                     T.gemm(a_s, m_s, qk, transpose_A=True, clear_accum=True)       # A^T M
                     T.sync_threads(CHAIN_BAR, 128)          # M read by every warp
                     T.copy(qk, m_s)
@@ -401,9 +411,18 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     T.wait_wgmma(0)
                     T.barrier_arrive(chain_end)
                     T.barrier_arrive(free)
-                    for i, j in T.Parallel(C, K):
-                        if i < rows:
-                            dk[gv, t0 + i, hk, j] = cv[i, j]
+                    if qk_grads_in_dtype and rows == C:     # dk through dU's tile too,
+                        T.tma_store_wait()                  # once dv's store has read it
+                        T.sync_threads(CHAIN_BAR, 128)
+                        T.copy(cv, du_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(CHAIN_BAR, 128)
+                        T.tma_copy(du_s, dk[gv, t0:t0 + C, hk, :])
+                    else:
+                        for i, j in T.Parallel(C, K):
+                            if i < rows:
+                                dk[gv, t0 + i, hk, j] = cv[i, j]
+                T.tma_store_wait()                  # shared memory lives until then
 
             with T.ws(0):                                         # state
                 T.inc_max_nreg(STATE_REGS)
