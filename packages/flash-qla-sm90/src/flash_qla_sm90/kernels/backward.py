@@ -134,7 +134,7 @@ def fused_pays(longest: int, total: int, Hv: int, K: int, V: int, sm_count: int)
         spread = max(longest, total * Hv / SMs)
 
     (``traits.BWD_FUSED_STEP_US``, ``BWD_SWEEP_STEP_US``, ``BWD_INTRA_CTA_US``). On the
-    H200, with walks of equal length, the fused kernel wins from about 80 CTAs (the
+    H200, with walks of equal length, the fused kernel wins from about 70 CTAs (the
     bounded split's segments at 16 heads, 8 x 4096 at 16 heads); one sequence at 16 heads,
     or one long sequence among many short ones, runs the two kernels."""
     if not traits.BWD_FUSED or not dh_aux_warpgroup(K, V) or total * Hv == 0:

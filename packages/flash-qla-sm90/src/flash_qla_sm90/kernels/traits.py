@@ -190,17 +190,18 @@ BWD_STATES_IN_DTYPE = True
 #: ``chunk_bwd_dh_ws`` + ``chunk_bwd_intra`` where ``backward.fused_pays`` says it is
 #: cheaper (K = V = 128). Verified on an H200 2026-12-01 (v19 call 3,
 #: tests/sm90/test_bwd_fused_gpu.py: 26 passed; call 6, after the early release, with
-#: the captured bounded step: 28 passed).
+#: the captured bounded step: 28 passed; v21 call 4, dv / dk by TMA, with all of
+#: tests/sm90/test_backward_gpu.py: 73 passed).
 BWD_FUSED = True
 
 #: The cost model of that choice, us (H200, ``benchmark/tune_chunk_bwd.py``):
-#: one chunk step of the fused kernel's CTA (12.1-13.4 at 128 CTAs since <S0, dS1> moved
-#: to the state role, dq leaves by TMA and the row dots read by ldmatrix, v20 calls 2 and
-#: 4; 15.9-16.9 in v19 call 6); one chunk step
+#: one chunk step of the fused kernel's CTA (11.25-12.3 at 128 CTAs since dv and dk leave
+#: by TMA through dU's tile, v21 call 4; 12.1-13.4 in v20 calls 2 and 4; 15.9-16.9 in v19
+#: call 6); one chunk step
 #: of ``chunk_bwd_dh_ws`` (2.7: 2/8 1x32768, two-kernel 1.92 ms less the intra kernel's
 #: share); one ``chunk_bwd_intra`` CTA (one per chunk and value head, one per SM: 16.9,
 #: v19 call 1's profile, 1045 us / 62 waves at 4/16 1x32768).
-BWD_FUSED_STEP_US = 12.8
+BWD_FUSED_STEP_US = 11.8
 BWD_SWEEP_STEP_US = 2.7
 BWD_INTRA_CTA_US = 16.9
 
