@@ -47,8 +47,10 @@ CSV_FIELDS = [
     "version",
     "eager_ms",
     "graph_ms",
+    "b2b_ms",
     "fwdbwd_eager_ms",
     "fwdbwd_graph_ms",
+    "fwdbwd_b2b_ms",
     "speedup_eager",
     "speedup_graph",
     "err_max",
@@ -343,8 +345,10 @@ def flatten(shape: C.Shape, impl: str, res: dict, args) -> dict:
         "version",
         "eager_ms",
         "graph_ms",
+        "b2b_ms",
         "fwdbwd_eager_ms",
         "fwdbwd_graph_ms",
+        "fwdbwd_b2b_ms",
         "graph_status",
         "fwdbwd_graph_status",
         "rotations",
@@ -582,16 +586,21 @@ def table_rows(
     headers = ["config", "tokens", "ours ms eager / graph"]
     floor = floor and mode == "fwd"
     both = mode == "bwd"          # the backward table also shows forward + backward (eager)
+    b2b = "fwdbwd_b2b_ms" if both else "b2b_ms"      # back to back: the forward's, or the
+    step = "fwd+bwd " if both else ""                 # training step's (not the backward's)
     if floor:
         headers.append("floor ms (ours %)")
     if both:
         headers.append("ours fwd+bwd ms eager / graph")
+    headers.append(f"ours {step}ms back-to-back")
     for p in peers:
         headers += [f"{C.SHORT[p]} ms", f"vs {C.SHORT[p]}", f"{C.SHORT[p]} err"]
         if both:
             headers += [f"{C.SHORT[p]} fwd+bwd ms", f"vs {C.SHORT[p]} fwd+bwd"]
+        headers.append(f"vs {C.SHORT[p]} {step}back-to-back")
     # fwd+bwd: the training step eager (host launches included) / replayed as one CUDA
-    # graph (device time only: the GPU-bound comparison, free of the host's speed)
+    # graph (device time only: the GPU-bound comparison, free of the host's speed);
+    # back-to-back: calls issued continuously, the stable eager measure (host included)
     out = []
     for key in ordered_shapes(rows, mode):
         shape = C.Shape.from_key(key)
@@ -603,6 +612,7 @@ def table_rows(
             r.append(f"{fl:.3f} ({frac:.0%})" if frac else f"{fl:.3f}")
         if both:
             r.append(_pair(ours, "fwdbwd_eager_ms", "fwdbwd_graph_ms"))
+        r.append(_ms(ours.get(b2b)))
         for p in peers:
             pr = rows.get((key, p))
             good = bool(pr) and pr.get("status") == "ok" and ours.get("status") == "ok"
@@ -618,6 +628,8 @@ def table_rows(
                              _speedup(pr, ours, "fwdbwd_graph_ms")) if good else (None, None))
                 r += [_pair(pr or {}, "fwdbwd_eager_ms", "fwdbwd_graph_ms"),
                       _ratio_pair(sfb, sfg)]
+            sb = _speedup(pr, ours, b2b) if good else None
+            r.append("" if sb is None else f"{sb:.2f}x")
         out.append(r)
     return headers, out
 
@@ -745,7 +757,10 @@ def render(meta: dict, rows: dict, out_dir: str, tag: str, tol: float) -> str:
             f"beta = sigmoid(randn), initial state in, final state out; gate "
             f"'{meta.get('gate')}': {C.GATES.get(meta.get('gate'), '')}; seed {meta.get('seed')}",
             timing,
-            f"- 'vs X' = X's time / ours (> 1: ours faster), eager / graph; 'err' = max "
+            f"- 'vs X' = X's time / ours (> 1: ours faster), eager / graph; back-to-back = "
+            f"20 calls (in bwd mode: training steps) issued without a flush or sync between "
+            f"them, per call, median of 3 runs: the stable eager measure of a host-bound call "
+            f"(one do_bench median of those swings); 'err' = max "
             f"relative L2 error vs ours over o, final state (and all gradients in bwd); "
             f"MISMATCH above {tol:g}",
             "- floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), gdn-math.md cost model; "

@@ -667,6 +667,36 @@ def n_rotations(nbytes: int) -> int:
     return int(min(16, max(2, math.ceil(2 * L2_BYTES / max(nbytes, 1)) + 1)))
 
 
+def time_back_to_back(fns: list, device: str, calls: int = 20, repeats: int = 3) -> float:
+    """Ms per call of ``calls`` calls issued back to back (round-robin over ``fns``), with
+    no L2 flush and no sync between them, the median of ``repeats`` such runs: the pace
+    of a loop that issues calls continuously (a training or serving loop), host time
+    included wherever it exceeds the GPU's. A host-bound call's single ``do_bench``
+    median (flush, start event, one call, end event) swings by tens of percent from one
+    run to the next (docs/perf-notes.md v21 call 5); this measure does not."""
+    import torch
+
+    for fn in fns:
+        fn()
+    sync(device)
+    runs = []
+    for _ in range(repeats):
+        if device == "cpu":
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fns[i % len(fns)]()
+            runs.append((time.perf_counter() - t0) * 1e3 / calls)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / calls)
+    return statistics.median(runs)
+
+
 def time_fns(fns: list, device: str, warmup_ms: float, rep_ms: float) -> float:
     """Median ms of calling ``fns`` round-robin (one call per sample)."""
     state = {"i": 0}
@@ -875,10 +905,14 @@ def task_bench(spec: dict) -> dict:
     wu, rep = spec["warmup_ms"], spec["rep_ms"]
     if not bwd:
         with torch.no_grad():
-            res["eager_ms"] = time_fns([lambda a=a: impl.call(a) for a in sets], dev, wu, rep)
+            calls = [lambda a=a: impl.call(a) for a in sets]
+            res["eager_ms"] = time_fns(calls, dev, wu, rep)
+            res["b2b_ms"] = time_back_to_back(calls, dev)
     else:
-        res["fwdbwd_eager_ms"] = time_fns([lambda a=a: impl.fwd_bwd(a, inp) for a in sets],
-                                          dev, wu, rep)
+        steps = [lambda a=a: impl.fwd_bwd(a, inp) for a in sets]
+        res["fwdbwd_eager_ms"] = time_fns(steps, dev, wu, rep)
+        res["fwdbwd_b2b_ms"] = time_back_to_back(steps, dev)
+        del steps
         kept = [impl.canon(impl.call(a), a) for a in sets]
         bwd_fns = [
             lambda a=a, oo=oo: torch.autograd.grad(

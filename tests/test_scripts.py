@@ -55,6 +55,8 @@ def test_benchmark_cpu_writes_its_files(tmp_path):
     ours = [r for r in data["results"] if r["impl"] == "ours"]
     assert {r["mode"] for r in ours} == {"fwd", "bwd"}
     assert all(r["status"] == "ok" and r["eager_ms"] > 0 for r in ours), ours
+    # back to back: the forward's calls in fwd mode, the training steps in bwd mode
+    assert all(r["b2b_ms" if r["mode"] == "fwd" else "fwdbwd_b2b_ms"] > 0 for r in ours), ours
     assert all(r["status"] == "skipped" for r in data["results"] if r["impl"] != "ours")
     assert "Forward" in p.stdout.splitlines()[-1] or "|" in p.stdout  # the table is printed
     try:
@@ -334,8 +336,9 @@ def test_flashqla_peer_precompile_help():
 
 def test_backward_table_shows_the_training_step_eager_and_graphed():
     """``bench --mode bwd``'s table: the fwd+bwd cells are ``eager / graph`` (the graph
-    the captured training step's replay), the peer's speedup likewise, and a step that
-    could not be captured is named in the notes."""
+    the captured training step's replay), the peer's speedup likewise, the training step
+    back to back with its own speedup, and a step that could not be captured is named in
+    the notes."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_gdr", BENCH)
@@ -343,15 +346,22 @@ def test_backward_table_shows_the_training_step_eager_and_graphed():
     spec.loader.exec_module(bench)
     key = "bwd:16/16@8x4096"
     ours = {"status": "ok", "eager_ms": 1.0, "fwdbwd_eager_ms": 2.0, "fwdbwd_graph_ms": 1.5,
-            "fwdbwd_graph_status": "ok"}
+            "fwdbwd_b2b_ms": 1.8, "fwdbwd_graph_status": "ok"}
     fla = {"status": "ok", "eager_ms": 2.0, "fwdbwd_eager_ms": 4.0, "fwdbwd_graph_ms": 4.5,
-           "fwdbwd_graph_status": "ok", "err": {"o": 1e-3}}
+           "fwdbwd_b2b_ms": 4.5, "fwdbwd_graph_status": "ok", "err": {"o": 1e-3}}
     headers, rows = bench.table_rows({(key, "ours"): ours, (key, "fla"): fla}, "bwd",
                                      ["fla"], tol=1e-2)
     row = dict(zip(headers, rows[0]))
     assert row["ours fwd+bwd ms eager / graph"] == "2.000 / 1.500"
     assert row["FLA fwd+bwd ms"] == "4.000 / 4.500"
     assert row["vs FLA fwd+bwd"] == "2.00x / 3.00x"
+    assert row["ours fwd+bwd ms back-to-back"] == "1.800"
+    assert row["vs FLA fwd+bwd back-to-back"] == "2.50x"
+    headers, rows = bench.table_rows({("fwd:2/8@1x8192", "ours"): {**ours, "b2b_ms": 0.4},
+                                      ("fwd:2/8@1x8192", "fla"): {**fla, "b2b_ms": 0.5}},
+                                     "fwd", ["fla"], tol=1e-2, floor=False)
+    row = dict(zip(headers, rows[0]))
+    assert row["ours ms back-to-back"] == "0.400" and row["vs FLA back-to-back"] == "1.25x"
     fla["fwdbwd_graph_status"] = "not capturable: RuntimeError: sync"
     assert any("fwd+bwd graph column: not capturable" in n
                for n in bench.notes({(key, "ours"): ours, (key, "fla"): fla}))
