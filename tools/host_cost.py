@@ -42,15 +42,9 @@ def _wall_us(fn, iters: int = 200) -> float:
 
 
 def _gpu_us(fn, iters: int = 20) -> float:
-    """Mean time per call between CUDA events around ``iters`` back-to-back calls, us."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    """Mean time per call between CUDA events around ``iters`` back-to-back calls, us
+    (``benchmark/common.time_back_to_back``, one run: the bench's back-to-back column)."""
+    return C.time_back_to_back([fn], "cuda", calls=iters, repeats=1) * 1e3
 
 
 class _Recorder:
