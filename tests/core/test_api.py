@@ -620,11 +620,13 @@ def planner(monkeypatch):
     return kernels
 
 
-def test_auto_split_asks_the_backend_and_stays_exact(planner):
-    """With host offsets, the backend's planner is asked (auto_cp None or True) and its
-    split (the forward passes of flash_qla.segments) gives the fp64 recurrence's result."""
+@pytest.mark.parametrize("cpu_offsets", [True, False], ids=["host-offsets", "device-offsets"])
+def test_auto_split_asks_the_backend_and_stays_exact(planner, cpu_offsets):
+    """With host offsets (given, or read by the call from cu_seqlens: FLA's call), the
+    backend's planner is asked (auto_cp None or True) and its split (the forward passes
+    of flash_qla.segments) gives the fp64 recurrence's result."""
     inputs = make_inputs(VARLEN)
-    cu_cpu = cu_tensor(VARLEN)
+    cu_cpu = cu_tensor(VARLEN) if cpu_offsets else None
     for auto_cp in (None, True):
         planner.fwd_calls.clear()
         o, ht = run_api(inputs, VARLEN, cu_seqlens_cpu=cu_cpu, auto_cp=auto_cp)
@@ -636,14 +638,12 @@ def test_auto_split_asks_the_backend_and_stays_exact(planner):
 
 
 @pytest.mark.parametrize("kwargs", [dict(auto_cp=False), dict(segment_len=128),
-                                    dict(force_intra_cp=True), dict(cpu_offsets=False)],
-                         ids=["auto_cp-False", "segment_len", "force_intra_cp", "no-host-offsets"])
+                                    dict(force_intra_cp=True)],
+                         ids=["auto_cp-False", "segment_len", "force_intra_cp"])
 def test_auto_split_not_asked(planner, kwargs):
-    """auto_cp=False, an explicit split, or offsets only on the device (asking would
-    sync): the planner is not consulted."""
+    """auto_cp=False or an explicit split: the planner is not consulted."""
     inputs = make_inputs(VARLEN)
-    cu_cpu = cu_tensor(VARLEN) if kwargs.pop("cpu_offsets", True) else None
-    run_api(inputs, VARLEN, cu_seqlens_cpu=cu_cpu, **kwargs)
+    run_api(inputs, VARLEN, cu_seqlens_cpu=cu_tensor(VARLEN), **kwargs)
     assert planner.plans == []
 
 

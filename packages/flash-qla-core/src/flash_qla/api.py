@@ -40,7 +40,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from flash_qla import validation
+from flash_qla import offsets, validation
 from flash_qla.backend import BackendSpec, Kernels, keeps_states, searches_walks
 from flash_qla.segments import (
     CHUNK,
@@ -84,6 +84,22 @@ def _select_kernels(q: torch.Tensor, v: torch.Tensor, backend: str | None,
     validation.check_backend(spec, K=K, V=V, dtype=q.dtype,
                              uses_float64=validation.uses_float64(q, *others))
     return spec, kernels
+
+
+def _resolve_offsets(cu_seqlens, cu_seqlens_cpu,
+                     q: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """``(cu_seqlens_cpu, host_read)`` for the call: the caller's host offsets, else one
+    read of a valid device ``cu_seqlens`` (:func:`flash_qla.offsets.host_offsets`: kept
+    per tensor, so the other layers of a model and the backward read nothing; none
+    during a CUDA-graph capture). ``host_read`` says the copy is the call's own. An
+    invalid ``cu_seqlens`` (or one off q's device) is left to validation's error."""
+    if (cu_seqlens_cpu is not None or not isinstance(cu_seqlens, torch.Tensor)
+            or not isinstance(q, torch.Tensor) or cu_seqlens.device != q.device
+            or cu_seqlens.dtype not in validation.INDEX_DTYPES or cu_seqlens.dim() != 1
+            or cu_seqlens.numel() < 2):
+        return cu_seqlens_cpu, False
+    host = offsets.host_offsets(cu_seqlens, None)
+    return host, host is not None
 
 
 def _resolve_scale(scale: float | None, K: int) -> float:
@@ -206,15 +222,14 @@ def gate_from_params(g: torch.Tensor, A_log: torch.Tensor,
 def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_seqlens_cpu,
                       bounded: bool) -> int | None:
     """The backend's automatic segment split (``auto_cp``), asked only when it has a
-    planner. Planned from the lengths on the host (dense input, or ``cu_seqlens_cpu``);
-    a varlen call without them is not split (their sync would cost more), except inside
-    a CUDA-graph capture. Inside one: only the bounded split, of a dense input, or of a
-    varlen batch on a backend that searches its walks in the kernel
-    (``Kernels.searches_walks``; the split is then laid out on the device at every
-    replay), whose segment length is planned from ``cu_seqlens_cpu`` (the capture's
-    lengths) or, without it, as if one of its N sequences held nearly all its tokens
-    (the case a split is for; a batch whose sequences x heads fill the GPU stays
-    unsplit).
+    planner. Planned from the lengths on the host (dense input, or ``cu_seqlens_cpu``: the caller's,
+    or the call's own read of ``cu_seqlens``, :func:`_resolve_offsets`). A varlen call has none only
+    inside a CUDA-graph capture. Inside one: only the bounded split, of a dense input, or of a
+    varlen batch on a backend that searches its walks in the kernel (``Kernels.searches_walks``; the
+    split is then laid out on the device at every replay), whose segment length is planned from
+    ``cu_seqlens_cpu`` (the capture's lengths) or, without it, as if one of its N sequences held
+    nearly all its tokens (the case a split is for; a batch whose sequences x heads fill the GPU
+    stays unsplit).
     ``bounded``: the split will be the one-pass bounded one (``fwd_warmup``), else the
     exact one."""
     plan = getattr(kernels, "plan_segment_len", None)
@@ -389,6 +404,11 @@ def chunk_gated_delta_rule(
             padding and get exact zeros in o and in every gradient.
         cu_seqlens_cpu: the same offsets on the host; lets validation and backends plan
             without a host sync. Not checked to equal ``cu_seqlens`` (that would sync).
+            Without it (FLA's call), the offsets are read to the host once per
+            ``cu_seqlens`` tensor (kept while the same tensor object is passed and not
+            modified in place; inference tensors, which have no version counter, are
+            read at every call) and the call plans exactly as with it; the backward
+            reads nothing. Nothing is read during a CUDA-graph capture.
         transpose_state_layout, state_v_first: FlashQLA's and FLA's names for the
             v-first state layout ``[N, Hv, V, K]`` of initial and final state (done by
             transposing around the canonical-layout kernels).
@@ -398,18 +418,15 @@ def chunk_gated_delta_rule(
             differentiable pre-pass. A_log ``[Hv]`` is required, dt_bias ``[Hv]`` is
             optional (None means 0); both are rejected without ``use_gate_in_kernel``.
         auto_cp: None/True (default None): without ``segment_len`` / ``force_intra_cp``,
-            the backend may split long sequences on its own (as ``segment_len``) when
-            its cost model predicts a gain; it is asked only when the lengths are on
-            the host (dense input or ``cu_seqlens_cpu``) or a CUDA-graph capture is on,
-            and inside a capture only for the bounded split: of a dense input, or of a
-            varlen batch on a backend that searches its walks in the kernel (sm90),
-            laid out on the device from the live ``cu_seqlens`` at every replay, its
-            segment length planned from ``cu_seqlens_cpu`` when given, else as if one
-            sequence held nearly all its tokens. sm90 splits when
-            (sequences x heads) leave SMs idle: the bounded split into as many segments
-            as one wave holds, the exact one (bound 0) into segments of 4096 or 8192 (cost
-            model fitted on the H200; ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``).
-            False: never.
+            the backend may split long sequences on its own (as ``segment_len``) when its cost model
+            predicts a gain, planned from the host lengths (see ``cu_seqlens_cpu``); inside a
+            CUDA-graph capture only the bounded split: of a dense input, or of a varlen batch on a
+            backend that searches its walks in the kernel (sm90), laid out on the device from the
+            live ``cu_seqlens`` at every replay, its segment length planned from ``cu_seqlens_cpu``
+            when given, else as if one sequence held nearly all its tokens. sm90 splits when
+            (sequences x heads) leave SMs idle: the bounded split into as many segments as one wave
+            holds, the exact one (bound 0) into segments of 4096 or 8192 (cost model fitted on the
+            H200; ``flash_qla_sm90.kernels.traits.SEGMENT_AUTO``). False: never.
         segment_len: tokens per segment (a positive multiple of 64) of the segment-
             parallel forward (:mod:`flash_qla.segments`). None (default): no split
             (unless ``auto_cp``). With ``segment_shortcut_bound`` > 0 on a backend
@@ -467,9 +484,10 @@ def chunk_gated_delta_rule(
     validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     validation.check_bool("use_gate_in_kernel", use_gate_in_kernel)
     validation.check_bool("save_chunk_states", save_chunk_states)
+    cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
     validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                                v_first=v_first)
+                                v_first=v_first, host_read=host_read)
     validation.check_gate_params(use_gate_in_kernel, A_log, dt_bias, v)
     validation.check_same_device({"q": q, "A_log": A_log, "dt_bias": dt_bias})
     scale = _resolve_scale(scale, q.shape[3])
@@ -533,8 +551,10 @@ def chunk_gated_delta_rule_fwd(
     """
     validation.check_bool("output_final_state", output_final_state)
     validation.check_bool("output_h", output_h)
+    cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
     validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
-                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                host_read=host_read)
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
@@ -572,8 +592,10 @@ def chunk_gated_delta_rule_bwd(
     raw per-token gate (not the cumsum), dh0 ``[N, Hv, K, V]`` fp32 or None without an
     initial state.
     """
+    cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
     N = validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
-                                    cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+                                    cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                    host_read=host_read)
     validation.validate_backward_extras(q, v, g, A, do, dht, N, CHUNK)
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state, dht)

@@ -9,8 +9,9 @@ Deliberately *not* checked (each would cost a pass over the data or a host sync)
 finite values, ``g <= 0``, ``beta`` in (0, 1], and the contents of ``cu_seqlens``
 while a CUDA graph is being captured. The contents of ``cu_seqlens`` are otherwise
 checked, from ``cu_seqlens_cpu`` when given (no sync), else by copying ``cu_seqlens``
-to the host (one sync). Zero-length sequences are valid, and so are tokens after
-``cu_seqlens[-1]`` (padding: they belong to no sequence).
+to the host (one sync per offsets tensor, :mod:`flash_qla.offsets`). Zero-length
+sequences are valid, and so are tokens after ``cu_seqlens[-1]`` (padding: they belong
+to no sequence).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from flash_qla.backend import BackendSpec
+from flash_qla.offsets import read_offsets
 
 #: q/k/v dtypes every backend may accept; float64 only on the ``torch`` backend.
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -207,9 +209,13 @@ def is_capturing(device: torch.device) -> bool:
 
 
 def check_cu_seqlens(
-    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, q: torch.Tensor
+    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, q: torch.Tensor,
+    *, host_read: bool = False,
 ) -> int:
-    """All cu_seqlens checks; returns N (sequences). Never syncs during graph capture."""
+    """All cu_seqlens checks; returns N (sequences). Never syncs during graph capture.
+    ``host_read``: ``cu_seqlens_cpu`` is the call's own host copy of ``cu_seqlens``
+    (:func:`flash_qla.offsets.host_offsets`), so its values are reported as
+    ``cu_seqlens``'."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             check_cu_seqlens_cpu(None, cu_seqlens_cpu)
@@ -218,7 +224,8 @@ def check_cu_seqlens(
     check_cu_seqlens_batch(q.shape[0])
     if cu_seqlens_cpu is not None:
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
-        check_cu_seqlens_values("cu_seqlens_cpu", cu_seqlens_cpu.tolist(), q.shape[1])
+        check_cu_seqlens_values("cu_seqlens" if host_read else "cu_seqlens_cpu",
+                                cu_seqlens_cpu.tolist(), q.shape[1])
         # the same values where both are on the host (for a device cu_seqlens the check
         # would cost the sync that cu_seqlens_cpu exists to avoid: trusted there)
         if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens.long(),
@@ -226,7 +233,7 @@ def check_cu_seqlens(
             raise ValueError(f"cu_seqlens_cpu must hold cu_seqlens' values "
                              f"{cu_seqlens.tolist()}; got {cu_seqlens_cpu.tolist()}")
     elif not is_capturing(cu_seqlens.device):
-        check_cu_seqlens_values("cu_seqlens", cu_seqlens.tolist(), q.shape[1])
+        check_cu_seqlens_values("cu_seqlens", read_offsets(cu_seqlens).tolist(), q.shape[1])
     return cu_seqlens.numel() - 1
 
 
@@ -314,9 +321,10 @@ def uses_float64(*tensors: torch.Tensor | None) -> bool:
 
 def validate_forward(
     q, k, v, g, beta, *, initial_state, cu_seqlens, cu_seqlens_cpu,
-    v_first: bool = False, gate_name: str = "g",
+    v_first: bool = False, gate_name: str = "g", host_read: bool = False,
 ) -> int:
-    """Every forward input check, in a fixed order; returns N (sequences)."""
+    """Every forward input check, in a fixed order; returns N (sequences).
+    ``host_read``: see :func:`check_cu_seqlens`."""
     for name, x in (("q", q), ("k", k), ("v", v), (gate_name, g), ("beta", beta)):
         check_is_tensor(name, x)
     check_is_tensor("initial_state", initial_state, optional=True)
@@ -330,7 +338,7 @@ def validate_forward(
     check_beta_dtype(beta, q)
     check_same_device({"q": q, "k": k, "v": v, gate_name: g, "beta": beta,
                        "initial_state": initial_state, "cu_seqlens": cu_seqlens})
-    N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q)
+    N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, host_read=host_read)
     if initial_state is not None:
         check_state("initial_state", initial_state, q, v, N, v_first=v_first)
     return N

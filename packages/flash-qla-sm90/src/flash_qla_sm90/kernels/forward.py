@@ -94,10 +94,16 @@ def host_chunks(cu_seqlens_cpu) -> list[int]:
 
 
 def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
+    """Rows of a per-chunk buffer (h, dS1): the chunk count, exact for dense inputs and
+    host offsets; inside a CUDA-graph capture without them the layout's upper bound
+    (the kernels index rows by ``chunk_offsets``, rows past the real count stay
+    unwritten and unread); else read from the device (one sync)."""
     if layout.num_chunks is not None:
         return layout.num_chunks
     if cu_seqlens_cpu is not None:
         return sum(host_chunks(cu_seqlens_cpu))
+    if is_capturing(layout.cu_seqlens.device):
+        return layout.num_chunks_max
     return int(layout.chunk_offsets[-1].item())   # host sync: h needs its size
 
 

@@ -1,0 +1,91 @@
+"""Host copies of ``cu_seqlens``: one device-to-host read per offsets tensor.
+
+FLA calls ``flash_qla.chunk_gated_delta_rule`` with ``cu_seqlens`` on the device and no
+``cu_seqlens_cpu``. Planning a call (the segment split, the backward's kernel choice,
+output sizes) needs the offsets on the host, and validating them reads them anyway, so
+:func:`host_offsets` reads them once and the whole call, forward and backward, uses that
+copy. A model calls every layer with the same offsets tensor, so the copy is kept per
+tensor object (and its in-place version counter): the other layers and the backward
+read no more.
+
+Inference tensors (made under ``torch.inference_mode``) have no version counter, so an
+in-place rewrite of one (an engine refilling a static buffer) could not be told from an
+unchanged tensor: their copy is never kept (one read per call). Nothing is read during
+a CUDA-graph capture (a read would end the capture): there the call plans without host
+offsets.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["clear_cache", "host_offsets", "read_offsets"]
+
+#: How many offsets tensors keep their host copy (most recent first out last).
+CACHE_SIZE = 16
+
+# id(device tensor) -> (weak reference to it, its version when read, its data_ptr, host copy)
+_copies: OrderedDict[int, tuple[weakref.ref, int, int, torch.Tensor]] = OrderedDict()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The in-place version counter; None for inference tensors, which have none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def read_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` ``[N+1]`` copied to the host (same dtype), one read per tensor.
+
+    A tensor already read, not modified in place since (same object, version counter
+    and storage), returns the same host tensor without touching the device. A host
+    ``cu_seqlens`` is returned as it is. Never call it during a CUDA-graph capture.
+    """
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens
+    return _kept_copy(cu_seqlens)
+
+
+def _copy_to_host(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return cu_seqlens.to("cpu")                                  # the one sync
+
+
+def _kept_copy(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """:func:`_copy_to_host` of ``cu_seqlens``, kept per (object, version, storage)."""
+    version = _version(cu_seqlens)
+    key = id(cu_seqlens)
+    kept = _copies.get(key)
+    if (kept is not None and version is not None and kept[0]() is cu_seqlens
+            and kept[1] == version and kept[2] == cu_seqlens.data_ptr()):
+        _copies.move_to_end(key)
+        return kept[3]
+    host = _copy_to_host(cu_seqlens)
+    if version is not None:
+        _copies[key] = (weakref.ref(cu_seqlens), version, cu_seqlens.data_ptr(), host)
+        _copies.move_to_end(key)
+        while len(_copies) > CACHE_SIZE:
+            _copies.popitem(last=False)
+    return host
+
+
+def host_offsets(cu_seqlens: torch.Tensor | None,
+                 cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor | None:
+    """The host offsets a call plans with: ``cu_seqlens_cpu`` when given; None for a
+    dense call (no ``cu_seqlens``) or during a CUDA-graph capture on ``cu_seqlens``'
+    device; else :func:`read_offsets` of ``cu_seqlens``. ``cu_seqlens`` must already be
+    a valid offsets tensor (``validation.check_cu_seqlens_kind``)."""
+    if cu_seqlens_cpu is not None or cu_seqlens is None:
+        return cu_seqlens_cpu
+    if cu_seqlens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return read_offsets(cu_seqlens)
+
+
+def clear_cache() -> None:
+    """Forget every kept host copy (tests; memory is small: N+1 integers per entry)."""
+    _copies.clear()
