@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Fairness: each (implementation, configuration) runs in a fresh process, with "
             "FLA_CACHE_RESULTS=0 so that FLA autotunes on that very shape (T and B are not in "
             "its tuning key, and it caches tunings on disk by default; --fla-tuning cached "
-            "keeps that default, to fit whole grids in a time budget). FLA 0.5.0 has no GVA "
-            "backward on Hopper: those rows say 'unsupported'. FlashInfer is forward only and "
+            "keeps that default, to fit whole grids in a time budget). FLA runs with "
+            "FLA_FLASH_QLA=0 (else FLA 0.5.2+ routes to flash_qla, i.e. us); FLA 0.5.0 has no "
+            "GVA backward on Hopper: those rows say 'unsupported'. FlashInfer is forward only and "
             "gets alpha = exp(g), packed [T,H,D] inputs and [N,H,V,K] states. FlashQLA 0.1.3 "
             "shares our import name and is imported from --flashqla-path in its own process.\n\n"
             "Exit codes: 0 done (rows may still say error/unsupported), 2 cannot run here "
@@ -157,10 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument(
         "--peers",
         default="fla,flashinfer,flashqla",
-        help="comma-separated peers among fla, flashinfer, flashqla, unsplit, or 'none' "
-        "(default: the three external ones; a peer that is absent is reported as 'not "
-        "installed'). 'unsplit' is ours with auto_cp=False: beside the default it shows "
-        "what the automatic segment split gains on each shape",
+        help="comma-separated peers among fla, flashinfer, flashqla, unsplit, "
+        "host-offsets, fla-routed, or 'none' (default: the three external ones; a peer "
+        "that is absent is reported as 'not installed'). 'ours' is always the drop-in "
+        "call (FLA's keywords, device cu_seqlens only, auto_cp=True); 'fla' runs FLA's "
+        "Triton kernels (FLA_FLASH_QLA=0). Ours in other conventions: 'unsplit' "
+        "(auto_cp=False: what the automatic split gains), 'host-offsets' (also "
+        "cu_seqlens_cpu), 'fla-routed' (FLA's function with FLA's routing to flash_qla "
+        "on: must match ours)",
     )
     sel.add_argument(
         "--flashqla-path",
@@ -372,7 +377,8 @@ def flatten(shape: C.Shape, impl: str, res: dict, args) -> dict:
 
 
 def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, scratch: str):
-    env = {"device": args.device, "capability": info.get("capability")}
+    env = {"device": args.device, "capability": info.get("capability"),
+           "fla_version": info.get("versions", {}).get("fla", "")}
     avail = C.peer_availability(peers, info, args.device, args.flashqla_path,
                                 args.flashinfer_jit)
     common_spec = {

@@ -57,19 +57,26 @@ NO_GPU_LINE = (
     f"({INSTALL_HINT}); run `--device cpu` for the small CPU demo."
 )
 
-# "unsplit" is ours with auto_cp=False (segment parallelism off): measured beside the
-# default it shows what the automatic split gains or loses on each shape (issue 6)
-PEERS = ("fla", "flashinfer", "flashqla", "unsplit")
+# "ours" is the drop-in call: FLA's keywords, device cu_seqlens only, auto_cp=True (what
+# FLA 0.5.2+ passes when it routes to an installed flash_qla). Ours in other conventions:
+# "unsplit" (auto_cp=False: what the automatic split gains), "host-offsets" (also
+# cu_seqlens_cpu), "fla-routed" (FLA's own chunk_gated_delta_rule with this package
+# installed, which FLA routes to: must equal ours). "fla" is FLA with that routing off
+# (FLA_FLASH_QLA=0), its own Triton kernels.
+PEERS = ("fla", "flashinfer", "flashqla", "unsplit", "host-offsets", "fla-routed")
 LABELS = {
-    "ours": "FlashQLA (ours)",
+    "ours": "FlashQLA (ours, drop-in call)",
     "fla": "FLA",
     "flashinfer": "FlashInfer",
     "flashqla": "FlashQLA (peer)",
     "unsplit": "FlashQLA (ours, auto_cp=False)",
+    "host-offsets": "FlashQLA (ours, + cu_seqlens_cpu)",
+    "fla-routed": "FLA routed to ours",
 }
 SHORT = {"ours": "ours", "fla": "FLA", "flashinfer": "FlashInfer", "flashqla": "FlashQLA-0.1.3",
-         "unsplit": "unsplit"}
-OURS_FAMILY = ("ours", "unsplit")   # our own code: runs on the CPU (torch backend) too
+         "unsplit": "unsplit", "host-offsets": "host-offsets", "fla-routed": "via-FLA"}
+# our own code: runs on the CPU (torch backend) too
+OURS_FAMILY = ("ours", "unsplit", "host-offsets")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -508,9 +515,24 @@ class Ours(Impl):
             kw["auto_cp"] = False
         elif self.segment_len:
             kw["segment_len"] = self.segment_len
+        else:
+            kw["auto_cp"] = True                      # as FLA's flash_qla backend passes
         if self.shortcut_bound is not None:
             kw["segment_shortcut_bound"] = self.shortcut_bound
-        return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"], **kw)
+        return _fla_style_call(self.fn, a, **self.offsets(a), **kw)
+
+    def offsets(self, a) -> dict:
+        """The drop-in call: device ``cu_seqlens`` only (FLA never passes a host copy)."""
+        return {}
+
+
+class OursHostOffsets(Ours):
+    """Ours also given ``cu_seqlens_cpu`` (a caller that keeps host offsets)."""
+
+    name = "host-offsets"
+
+    def offsets(self, a) -> dict:
+        return {"cu_seqlens_cpu": a["cu_cpu"]}
 
 
 class OursUnsplit(Ours):
@@ -539,9 +561,14 @@ def _shorten_triton_autotuning(rep_ms: float) -> None:
 
 
 class FLA(Impl):
+    """FLA's ``chunk_gated_delta_rule`` on its own Triton kernels: ``FLA_FLASH_QLA=0``, or
+    FLA 0.5.2+ routes the call to an importable ``flash_qla`` (ours) and measures us."""
+
     name = "fla"
+    route_to_flash_qla = "0"
 
     def load(self, ctx):
+        os.environ["FLA_FLASH_QLA"] = self.route_to_flash_qla     # read when FLA imports
         if ctx.get("fla_tune_rep_ms"):
             _shorten_triton_autotuning(ctx["fla_tune_rep_ms"])
         import fla
@@ -557,6 +584,18 @@ class FLA(Impl):
 
     def call(self, a):
         return _fla_style_call(self.fn, a, cu_seqlens_cpu=a["cu_cpu"])
+
+
+class FLARouted(FLA):
+    """FLA's ``chunk_gated_delta_rule`` as its users call it (device cu_seqlens only) with
+    this package installed: FLA routes it to ``flash_qla`` (ours); equals the drop-in
+    "ours" column but for FLA's own host work around the call."""
+
+    name = "fla-routed"
+    route_to_flash_qla = "1"
+
+    def call(self, a):
+        return _fla_style_call(self.fn, a)
 
 
 class FlashInfer(Impl):
@@ -633,7 +672,7 @@ class FlashQLA013(Impl):
 
 
 IMPLS = {"ours": Ours, "fla": FLA, "flashinfer": FlashInfer, "flashqla": FlashQLA013,
-         "unsplit": OursUnsplit}
+         "unsplit": OursUnsplit, "host-offsets": OursHostOffsets, "fla-routed": FLARouted}
 
 
 def static_unsupported(impl: str, shape: Shape, env: dict) -> str | None:
@@ -647,10 +686,11 @@ def static_unsupported(impl: str, shape: Shape, env: dict) -> str | None:
         and shape.mode == "bwd"
         and shape.hv != shape.hk
         and tuple(env.get("capability") or (0, 0))[0] == 9
+        and str(env.get("fla_version", "0.6")).startswith("0.5.0")
     ):
         return (
             "unsupported: FLA 0.5.0 has no GVA backward on Hopper (its Triton path "
-            "refuses Triton>=3.4, its TileLang path rejects Hv != Hk)"
+            "refuses Triton>=3.4, its TileLang path rejects Hv != Hk); 0.5.2+ has one"
         )
     return None
 
@@ -803,7 +843,7 @@ def task_probe(spec: dict) -> dict:
     except Exception as e:  # noqa: BLE001
         versions["ours"] = f"error: {type(e).__name__}: {e}"
     if res["cuda"]:
-        for name, mod in (("fla", "fla"), ("flashinfer", "flashinfer")):
+        for name, mod in (("fla", "fla"), ("fla-routed", "fla"), ("flashinfer", "flashinfer")):
             if name not in spec.get("peers", []):
                 continue
             try:
@@ -1256,7 +1296,7 @@ def peer_availability(peers: list[str], info: dict, device: str, flashqla_path: 
     versions = info.get("versions", {})
     for peer in peers:
         why = None
-        if peer == "unsplit":                 # ours again: runs wherever ours does
+        if peer in OURS_FAMILY:               # ours again: runs wherever ours does
             ours = str(versions.get("ours", "error"))
             why = f"not installed ({ours})" if ours.startswith("error") else None
         elif device == "cpu":

@@ -134,9 +134,10 @@ def test_floor_matches_gdn_math_example():
 
 
 def test_static_unsupported_rules():
-    hopper = {"device": "cuda", "capability": [9, 0]}
+    hopper = {"device": "cuda", "capability": [9, 0], "fla_version": "0.5.0"}
     gva_bwd, mha_bwd = C.Shape.from_key("bwd:16/32@1x8192"), C.Shape.from_key("bwd:16/16@1x8192")
     assert C.static_unsupported("fla", gva_bwd, hopper).startswith("unsupported")
+    assert C.static_unsupported("fla", gva_bwd, {**hopper, "fla_version": "0.6.0"}) is None
     assert C.static_unsupported("fla", mha_bwd, hopper) is None
     assert C.static_unsupported("flashinfer", mha_bwd, hopper).startswith("unsupported")
     assert C.static_unsupported("fla", mha_bwd, {"device": "cpu"}).startswith("skipped")
