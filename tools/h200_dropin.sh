@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call for the drop-in work (fits the 10-minute limit). Stages (STAGES="..."):
+#   compile  every default sm90 kernel into the writable cache (14 processes, ~2 min on a
+#            fresh H200 host; cache hits from a carried .offline-gpu/tilelang-cache.tar.xz)
+#   tests    pytest -m gpu on TEST_PATHS (default: all of tests/)
+#   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes) with PEERS, one worker per
+#            implementation and mode; BENCH_ARGS adds options (e.g. --dense-batch)
+#   cache    the cache as $OUT/tilelang-cache.tar.xz (for the next call's carry)
+# Results: $OUT/results.tar.xz, tables printed last. Usage, on the H200, repo root:
+#   STAGES="compile tests cache" bash tools/h200_dropin.sh
+set -uo pipefail
+source .offline-gpu/activate.sh .offline-gpu
+export TILELANG_PRINT_ON_COMPILATION=0
+OUT=${OUT:-/tmp/out}; R=$(mktemp -d); mkdir -p "$OUT"
+STAGES=${STAGES:-"compile tests cache"}
+BUDGET=${SESSION_BUDGET:-560}
+has() { [[ " $STAGES " == *" $1 "* ]] && (( BUDGET - SECONDS > 20 )); }
+cap() { local left=$(( BUDGET - SECONDS - 15 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
+CACHE=/tmp/tilelang-cache; mkdir -p "$CACHE"
+[ -d .offline-gpu/tilelang-cache ] && cp -r .offline-gpu/tilelang-cache/. "$CACHE"/
+export TILELANG_CACHE_DIR=$CACHE
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+if has compile; then
+  start=$SECONDS
+  timeout "$(cap 300)" python3 -m flash_qla_sm90.kernels.kernel_cache "$CACHE" --jobs 14 \
+    > "$R/compile.txt" 2>&1
+  echo "compile: rc=$? $((SECONDS - start)) s: $(tail -1 "$R/compile.txt")"
+fi
+if has tests; then
+  timeout "$(cap ${TEST_TIMEOUT:-300})" python3 -m pytest -q -p no:cacheprovider -rfE \
+    --durations=5 ${TEST_PATHS:-tests} -m gpu > "$R/gpu-tests.txt" 2>&1
+  echo "tests: $(tail -1 "$R/gpu-tests.txt")"
+fi
+FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} --peers ${PEERS:-host-offsets,fla-routed,flashqla,fla} ${BENCH_ARGS:-}"
+if has fwd; then
+  timeout "$(cap ${FWD_TIMEOUT:-240})" $B --mode fwd --shapes "$FWD_ROWS" --tag H200-fwd \
+    --deadline-s "$(cap 200)" > "$R/fwd.txt" 2>&1
+fi
+if has bwd; then
+  timeout "$(cap ${BWD_TIMEOUT:-300})" $B --mode bwd --shapes "$BWD_ROWS" --tag H200-bwd \
+    --deadline-s "$(cap 260)" > "$R/bwd.txt" 2>&1
+fi
+if has cache; then
+  tar cJf "$OUT/tilelang-cache.tar.xz" -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
+fi
+tar cJf "$OUT/results.tar.xz" -C "$R" .
+for f in "$R"/gpu-tests.txt; do [ -f "$f" ] && grep -E "passed|failed|error" "$f" | tail -3; done
+for f in "$R"/fwd.txt "$R"/bwd.txt; do [ -f "$f" ] && tail -40 "$f"; done
