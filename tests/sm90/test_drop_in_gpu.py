@@ -133,3 +133,20 @@ def test_captured_training_step_with_device_offsets(case):
     for name, got in zip(leaves, captured[2:]):
         assert rel_l2(got, ref[name]) < GRAD_TOL[name], name
     assert torch.isfinite(torch.randn(8, device="cuda")).all()     # RNG usable
+
+
+def test_uncapturable_backend_is_refused_before_the_stream():
+    """The torch reference backend reads bounds on the host: inside a capture it raises
+    a ValueError naming the way out, the capture itself stays valid, and the process
+    keeps working (no invalidated capture, usable RNG)."""
+    inp = make_inputs(_varlen([100, 60], 1, 2), seed=1)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.raises(ValueError, match="cannot run inside a CUDA-graph capture"):
+            with torch.cuda.graph(graph):
+                flash_qla.chunk_gated_delta_rule(**inp, backend="torch")
+    torch.cuda.synchronize()
+    assert torch.isfinite(torch.randn(8, device="cuda")).all()
+    o, _ = flash_qla.chunk_gated_delta_rule(**inp)
+    assert rel_l2(o, reference(inp)[0]) < TOL[torch.bfloat16]

@@ -83,6 +83,12 @@ def _select_kernels(q: torch.Tensor, v: torch.Tensor, backend: str | None,
     spec, kernels = get_kernels(q.device, K=K, V=V, dtype=q.dtype, backend=backend)
     validation.check_backend(spec, K=K, V=V, dtype=q.dtype,
                              uses_float64=validation.uses_float64(q, *others))
+    if (spec.name == validation.FLOAT64_BACKEND and q.shape[1] > 0
+            and validation.is_capturing(q.device)):
+        raise ValueError(
+            f"backend {spec.name!r} cannot run inside a CUDA-graph capture (its reference "
+            "math reads sequence bounds on the host); capture the GPU backend's call "
+            "instead (backend=None), or run this one eagerly")
     return spec, kernels
 
 
