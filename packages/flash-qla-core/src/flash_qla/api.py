@@ -584,11 +584,11 @@ def chunk_gated_delta_rule_fwd(
       sequences, in order).
     * final_state ``[N, Hv, K, V]`` fp32 when ``output_final_state``, else None.
     """
-    validation.check_bool("output_final_state", output_final_state)
-    validation.check_bool("output_h", output_h)
     _reject_low_level_compat(state_v_first=state_v_first, auto_cp=auto_cp,
                              enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context,
                              is_train=is_train)
+    validation.check_bool("output_final_state", output_final_state)
+    validation.check_bool("output_h", output_h)
     validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[3])
@@ -638,11 +638,11 @@ def chunk_gated_delta_rule_bwd(
     ``state_v_first=True``, a ``cp_cache`` or a ``cp_context`` raise
     NotImplementedError. The six results are in FlashQLA 0.1.3's order.
     """
-    _reject_low_level_compat(state_v_first=state_v_first, auto_cp=auto_cp,
-                             cp_context=cp_context, cp_cache=cp_cache)
     N = validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     validation.validate_backward_extras(q, v, g, A, do, dht, N, CHUNK)
+    _reject_low_level_compat(state_v_first=state_v_first, auto_cp=auto_cp,
+                             cp_context=cp_context, cp_cache=cp_cache)
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state, dht)
     initial_state = _kernel_initial_state(initial_state, q, v_first=False)
