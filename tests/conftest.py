@@ -4,6 +4,8 @@
 * ``sm90`` / ``sm100`` / ``sm120``: also need a device of that compute capability; they
   imply ``gpu``, so ``-m "not gpu"`` deselects them too.
 * ``nvcc``: skipped unless ``nvcc`` is on PATH or under ``$CUDA_HOME/bin``.
+
+The session header (``pytest_report_header``) says whether a CUDA device is visible.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ def _nvcc() -> str | None:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     candidate = os.path.join(home, "bin", "nvcc")
     return shutil.which("nvcc") or (candidate if os.access(candidate, os.X_OK) else None)
+
+
+def pytest_report_header(config):
+    """Where the device-dependent suites run (without initialising CUDA)."""
+    if _cuda_available():
+        return "flash_qla: CUDA available; tests/test_gdr_unit.py runs on the GPU"
+    return ("flash_qla: no CUDA device: gpu/sm90/sm100/sm120 tests skip, and "
+            "tests/test_gdr_unit.py runs on the torch backend (CPU reference)")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -100,13 +100,17 @@ def oracle(inputs: dict, cfg: Config, *, scale=None, l2norm=False, v_first=False
 
 
 def grads(outputs, inputs: dict, seed: int = 1) -> dict:
-    """Gradients of <o, do> + <final_state, dht> (fixed random do, dht) w.r.t. inputs."""
+    """Gradients of <o, do> + <final_state, dht> (fixed random do, dht, drawn on the CPU
+    whatever the outputs' device) w.r.t. inputs."""
     gen = torch.Generator().manual_seed(seed)
     o, ht = outputs
-    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
+
+    def weights(x: torch.Tensor) -> torch.Tensor:
+        return torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)
+
+    loss = (o.double() * weights(o)).sum()
     if ht is not None:
-        loss = loss + (ht.double() * torch.randn(ht.shape, generator=gen,
-                                                 dtype=torch.float64)).sum()
+        loss = loss + (ht.double() * weights(ht)).sum()
     names = list(inputs)
     values = torch.autograd.grad(loss, [inputs[n] for n in names], allow_unused=True)
     return dict(zip(names, values))

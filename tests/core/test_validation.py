@@ -93,8 +93,13 @@ FORWARD_CASES = [
                  r"beta must have q's dtype \(torch.float32\) or torch.float32; "
                  r"got torch.bfloat16",
                  id="beta-dtype"),
-    pytest.param(lambda: _with(base_call(), initial_state=torch.zeros(B, HV, K, V).bfloat16()),
-                 TypeError, r"initial_state must have dtype torch.float32", id="state-dtype-bf16"),
+    pytest.param(lambda: _with(base_call(), initial_state=torch.zeros(B, HV, K, V).double()),
+                 TypeError, r"initial_state must have dtype in \(float32, bfloat16, float16\) "
+                 r"\(q/k/v are torch.float32; it is converted to float32\); got torch.float64",
+                 id="state-dtype-fp64-with-fp32-inputs"),
+    pytest.param(lambda: _with(base_call(), initial_state=torch.zeros(B, HV, K, V).long()),
+                 TypeError, r"initial_state must have dtype in .*got torch.int64",
+                 id="state-dtype-int"),
     pytest.param(lambda: {**{n: x.double() for n, x in base_call().items()},
                           "initial_state": torch.zeros(B, HV, K, V)},
                  TypeError, r"initial_state must have dtype torch.float64 \(q/k/v are "

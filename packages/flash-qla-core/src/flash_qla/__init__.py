@@ -27,3 +27,20 @@ __all__ = [
     "chunk_gated_delta_rule_fwd",
     "utils",
 ]
+
+#: FlashQLA 0.1.3 names (the earlier ``flash-qla``) not provided here -> what to use.
+NOT_PROVIDED = {
+    "ops": (
+        "flash_qla.ops (FlashQLA 0.1.3's internal module tree) is not part of this "
+        "package: import chunk_gated_delta_rule, chunk_gated_delta_rule_fwd and "
+        "chunk_gated_delta_rule_bwd from flash_qla itself, and the helpers (l2norm, pack, "
+        "unpack, prepare_chunk_indices, ...) from flash_qla.utils"),
+}
+
+
+def __getattr__(name: str):
+    """FlashQLA 0.1.3 names in :data:`NOT_PROVIDED` raise an ImportError naming the
+    replacement (also for ``from flash_qla import ops``)."""
+    if name in NOT_PROVIDED:
+        raise ImportError(NOT_PROVIDED[name], name=name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

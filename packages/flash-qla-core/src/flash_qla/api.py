@@ -151,6 +151,29 @@ def _reject_unsupported(*, head_first: bool, auto_cp: bool | None,
         )
 
 
+def _reject_low_level_compat(*, state_v_first: bool | None, auto_cp: bool | None,
+                             enable_fwd_cp_cache: bool | None = None, cp_context: object = None,
+                             cp_cache: object = None, is_train: bool | None = None) -> None:
+    """FlashQLA 0.1.3's trailing arguments of the low-level pair, taken at its positions:
+    ``auto_cp`` and ``is_train`` change nothing here (the pair never splits a sequence,
+    and keeps no cache); anything asking for what the pair does not do raises."""
+    _reject_unsupported(head_first=False, auto_cp=auto_cp,
+                        enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context)
+    validation.check_bool("is_train", is_train, optional=True)
+    validation.check_bool("state_v_first", state_v_first, optional=True)
+    if state_v_first:
+        raise NotImplementedError(
+            "state_v_first=True is not supported by the low-level pair (states are "
+            "[N, Hv, K, V]); pass state.transpose(-1, -2).contiguous(), or call "
+            "chunk_gated_delta_rule(..., state_v_first=True)"
+        )
+    if cp_cache is not None:
+        raise NotImplementedError(
+            "cp_cache (FlashQLA 0.1.3's forward cache) is not supported: "
+            "chunk_gated_delta_rule_fwd returns none; pass None"
+        )
+
+
 def _check_shortcut_bound(bound) -> float:
     """``segment_shortcut_bound``: a real number in [0, 1)."""
     if isinstance(bound, bool) or not isinstance(bound, numbers.Real):
@@ -266,6 +289,20 @@ def _split_allowed(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:
 def _swap_state_layout(state: torch.Tensor | None) -> torch.Tensor | None:
     """``[N, Hv, K, V]`` <-> ``[N, Hv, V, K]`` (contiguous copy)."""
     return None if state is None else state.transpose(-1, -2).contiguous()
+
+
+def _kernel_initial_state(state: torch.Tensor | None, q: torch.Tensor,
+                          v_first: bool) -> torch.Tensor | None:
+    """The initial state as the kernels read it: contiguous ``[N, Hv, K, V]`` in the state
+    dtype (fp32; fp64 for fp64 q), by one copy at most (none when it already is). A bf16
+    or fp16 state is converted here, so the recurrence runs in fp32; autograd's rule for
+    the conversion hands dh0 back in the caller's dtype (and layout)."""
+    if state is None:
+        return None
+    if v_first:
+        state = state.transpose(-1, -2)                               # [N,Hv,K,V] view
+    dtype = validation.state_dtype(q)
+    return state.to(dtype, memory_format=torch.contiguous_format).contiguous()
 
 
 # --------------------------------------------------------------------------------------
@@ -400,8 +437,10 @@ def chunk_gated_delta_rule(
             With ``use_gate_in_kernel`` it is instead the raw pre-activation, see below.
         beta: ``[B, T, Hv]`` in q's dtype or fp32: write strength, in [0, 1].
         scale: output scale; None means ``K ** -0.5``.
-        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` v-first) fp32 (fp64 for fp64
-            inputs), or None for zeros.
+        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` v-first) in fp32, bf16 or fp16
+            (fp64, and only fp64, for fp64 inputs), or None for zeros. A bf16/fp16 state
+            is converted to fp32 first (the recurrence always runs in fp32, as in FLA
+            and FlashQLA 0.1.3); its gradient comes back in its own dtype.
         output_final_state: also return the state after each sequence's last token.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (pre-pass
             ``x / sqrt(sum(x^2) + 1e-6)`` in fp32; its gradient comes from autograd).
@@ -470,7 +509,9 @@ def chunk_gated_delta_rule(
 
     Returns:
         ``(o, final_state)``: o ``[B, T, Hv, V]`` in q's dtype; final_state ``[N, Hv, K,
-        V]`` (v-first: ``[N, Hv, V, K]``) fp32 (fp64 for fp64 inputs) or None.
+        V]`` (v-first: ``[N, Hv, V, K]``) fp32 (fp64 for fp64 inputs) or None. fp32
+        whatever the initial state's dtype, as FLA 0.6.0 and FlashQLA 0.1.3 return it:
+        a caller keeping bf16 states casts it (``final_state.to(pool.dtype)``).
 
     Raises:
         TypeError: an argument of the wrong type or dtype.
@@ -507,8 +548,7 @@ def chunk_gated_delta_rule(
         q, k = l2_normalize(q), l2_normalize(k)                       # [B,T,Hk,K]
     if use_gate_in_kernel:
         g = gate_from_params(g, A_log, dt_bias)                       # [B,T,Hv] fp32
-    if v_first:
-        initial_state = _swap_state_layout(initial_state)             # [N,Hv,K,V]
+    initial_state = _kernel_initial_state(initial_state, q, v_first)  # [N,Hv,K,V] fp32
 
     args = (q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
             cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
@@ -534,6 +574,11 @@ def chunk_gated_delta_rule_fwd(
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = True,
     output_h: bool = False,
+    auto_cp: bool | None = None,
+    state_v_first: bool | None = None,
+    enable_fwd_cp_cache: bool | None = None,
+    cp_context: object = None,
+    is_train: bool | None = None,
     *,
     cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str | None = None,
@@ -542,7 +587,15 @@ def chunk_gated_delta_rule_fwd(
 
     Canonical layout only (state ``[N, Hv, K, V]``, raw log gate, no q/k L2-norm); runs
     under ``torch.no_grad()`` (pair it with :func:`chunk_gated_delta_rule_bwd`).
-    Arguments, dtypes and errors as :func:`chunk_gated_delta_rule`.
+    Arguments, dtypes and errors as :func:`chunk_gated_delta_rule`; a bf16/fp16
+    initial_state is converted to fp32 first.
+
+    ``auto_cp`` ... ``is_train`` are FlashQLA 0.1.3's trailing arguments, at its
+    positions: ``auto_cp`` and ``is_train`` are accepted and change nothing (this
+    forward never splits a sequence and keeps no cache); ``state_v_first=True``,
+    ``enable_fwd_cp_cache=True`` and a ``cp_context`` raise NotImplementedError.
+    Unlike FlashQLA 0.1.3's, which returned a sixth value (``cp_cache``), it returns
+    five: unpack ``g_cumsum, A, o, h, final_state = ...``.
 
     Returns ``(g_cumsum, A, o, h, final_state)``:
 
@@ -555,6 +608,9 @@ def chunk_gated_delta_rule_fwd(
       sequences, in order).
     * final_state ``[N, Hv, K, V]`` fp32 when ``output_final_state``, else None.
     """
+    _reject_low_level_compat(state_v_first=state_v_first, auto_cp=auto_cp,
+                             enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context,
+                             is_train=is_train)
     validation.check_bool("output_final_state", output_final_state)
     validation.check_bool("output_h", output_h)
     cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
@@ -563,6 +619,7 @@ def chunk_gated_delta_rule_fwd(
                                 host_read=host_read)
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
+    initial_state = _kernel_initial_state(initial_state, q, v_first=False)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     with torch.no_grad():
         return kernels.fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -582,6 +639,10 @@ def chunk_gated_delta_rule_bwd(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool | None = None,
+    auto_cp: bool | None = None,
+    cp_cache: object = None,
+    cp_context: object = None,
     *,
     cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str | None = None,
@@ -596,15 +657,23 @@ def chunk_gated_delta_rule_bwd(
     Returns ``(dq, dk, dv, dbeta, dg, dh0)``: dq, dk ``[B, T, Hk, K]`` and dv in q's
     dtype, dbeta ``[B, T, Hv]`` in beta's dtype, dg ``[B, T, Hv]`` fp32 w.r.t. the
     raw per-token gate (not the cumsum), dh0 ``[N, Hv, K, V]`` fp32 or None without an
-    initial state.
+    initial state (fp32 also for a bf16/fp16 initial_state: convert it yourself).
+
+    ``state_v_first``, ``auto_cp``, ``cp_cache``, ``cp_context`` are FlashQLA 0.1.3's
+    trailing arguments, at its positions: ``auto_cp`` is accepted and changes nothing;
+    ``state_v_first=True``, a ``cp_cache`` or a ``cp_context`` raise
+    NotImplementedError. The six results are in FlashQLA 0.1.3's order.
     """
     cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
     N = validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                     host_read=host_read)
     validation.validate_backward_extras(q, v, g, A, do, dht, N, CHUNK)
+    _reject_low_level_compat(state_v_first=state_v_first, auto_cp=auto_cp,
+                             cp_context=cp_context, cp_cache=cp_cache)
     scale = _resolve_scale(scale, q.shape[3])
     _, kernels = _select_kernels(q, v, backend, g, beta, initial_state, dht)
+    initial_state = _kernel_initial_state(initial_state, q, v_first=False)
     q, k, v, g, beta, A, do, dht, initial_state = _contiguous(
         q, k, v, g, beta, A, do, dht, initial_state)
     with torch.no_grad():

@@ -144,6 +144,22 @@ def check_state_dtype(name: str, state: torch.Tensor, q: torch.Tensor) -> None:
         )
 
 
+#: Initial-state dtypes for non-fp64 q/k/v (FlashQLA 0.1.3 and SGLang pass q's dtype);
+#: the API converts the state to fp32 before the kernels (the recurrence runs in fp32).
+INITIAL_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_initial_state_dtype(state: torch.Tensor, q: torch.Tensor) -> None:
+    """initial_state is fp32, bf16 or fp16 (fp64, and only fp64, for fp64 q/k/v)."""
+    if q.dtype == torch.float64:
+        check_state_dtype("initial_state", state, q)
+    elif state.dtype not in INITIAL_STATE_DTYPES:
+        raise TypeError(
+            f"initial_state must have dtype in ({_names(INITIAL_STATE_DTYPES)}) "
+            f"(q/k/v are {q.dtype}; it is converted to float32); got {state.dtype}"
+        )
+
+
 def check_same_device(tensors: dict[str, torch.Tensor | None], reference: str = "q") -> None:
     """Every non-None tensor is on ``tensors[reference]``'s device."""
     device = tensors[reference].device
@@ -243,9 +259,10 @@ def state_layout(v_first: bool) -> str:
 
 def check_state(
     name: str, state: torch.Tensor, q: torch.Tensor, v: torch.Tensor, N: int,
-    *, v_first: bool = False,
+    *, v_first: bool = False, initial: bool = False,
 ) -> None:
-    """A state ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` when v_first) of the right dtype."""
+    """A state ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` when v_first) of the right dtype
+    (``initial``: the initial state's dtypes, :func:`check_initial_state_dtype`)."""
     layout = state_layout(v_first)
     check_rank(name, state, layout)
     if state.shape[0] != N:
@@ -255,7 +272,10 @@ def check_state(
         )
     Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
     check_shape(name, state, (N, Hv, V, K) if v_first else (N, Hv, K, V), layout)
-    check_state_dtype(name, state, q)
+    if initial:
+        check_initial_state_dtype(state, q)
+    else:
+        check_state_dtype(name, state, q)
 
 
 def check_scale(scale: object) -> None:
@@ -340,7 +360,7 @@ def validate_forward(
                        "initial_state": initial_state, "cu_seqlens": cu_seqlens})
     N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, host_read=host_read)
     if initial_state is not None:
-        check_state("initial_state", initial_state, q, v, N, v_first=v_first)
+        check_state("initial_state", initial_state, q, v, N, v_first=v_first, initial=True)
     return N
 
 
