@@ -449,7 +449,12 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
 
 
 def _safe(key: str) -> str:
-    return key.replace(":", "-").replace("/", "_").replace("@", "-")
+    name = key.replace(":", "-").replace("/", "_").replace("@", "-")
+    if len(name) > 120:           # a long seqs=... layout: keep the file name under the limit
+        import hashlib
+
+        name = f"{name[:80]}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    return name
 
 
 def _worker_groups(shapes: list[C.Shape], worker_per: str) -> list[list[C.Shape]]:

@@ -452,3 +452,14 @@ def test_profile_cpu_with_several_peers(tmp_path):
     assert status == {"ours": "ok", "unsplit": "ok", "flashqla": "skipped"}, status
     (row,) = _summary((tmp_path / "cpu-torch.md").read_text())
     assert row["vs unsplit fwd"].endswith("x") and row["FlashQLA-0.1.3 fwd us"] == "skipped"
+
+
+def test_scratch_names_of_long_layouts_stay_short_and_distinct():
+    """A seqs=... layout of many sequences makes a key longer than a file name may be:
+    its scratch name is cut and made unique by a hash of the whole key."""
+    import bench_gated_delta_rule as bench  # benchmark/ is on sys.path
+
+    lens = "+".join(str(200 + i) for i in range(64))
+    a, b = bench._safe(f"fwd:2/4@seqs={lens}"), bench._safe(f"fwd:2/4@seqs={lens}+1")
+    assert len(a) <= 120 and len(b) <= 120 and a != b
+    assert bench._safe("fwd:2/4@1x8192") == "fwd-2_4-1x8192"
