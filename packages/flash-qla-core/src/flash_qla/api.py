@@ -346,6 +346,29 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------
+# Traced calls (torch.compile, torch.export): the custom op
+# --------------------------------------------------------------------------------------
+
+def _traced_forward(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+                    cu_seqlens_cpu, segment_len, auto_segment, shortcut_bound, keep_states,
+                    backend):
+    """The forward of a traced call: ``torch.ops.flash_qla.chunk_gdn_fwd``
+    (:mod:`flash_qla.ops`, differentiable through its registered backward), which reads
+    the offsets, checks their values, picks the backend and plans the split at run time.
+    ``scale`` None (``K ** -0.5``) is resolved there too: K may be symbolic in a trace.
+    Returns ``(o, final_state)``, final_state None without ``output_final_state``."""
+    if backend is not None and not isinstance(backend, str):       # as dispatch says it
+        raise TypeError(f"backend: expected a backend name (str) or None, got "
+                        f"{type(backend).__name__}")
+    o, final_state, *_ = torch.ops.flash_qla.chunk_gdn_fwd(
+        q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+        None if scale is None else float(scale), output_final_state, keep_states,
+        -1 if segment_len is None else segment_len, auto_segment, shortcut_bound,
+        backend or "")
+    return o, (final_state if output_final_state else None)
+
+
+# --------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------
 
@@ -484,17 +507,23 @@ def chunk_gated_delta_rule(
     validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     validation.check_bool("use_gate_in_kernel", use_gate_in_kernel)
     validation.check_bool("save_chunk_states", save_chunk_states)
-    cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
+    traced = torch.compiler.is_compiling()      # torch.compile / export: nothing read here
+    cu_seqlens_cpu, host_read = ((cu_seqlens_cpu, False) if traced
+                                 else _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q))
     validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                                v_first=v_first, host_read=host_read)
+                                v_first=v_first, host_read=host_read, values=not traced)
     validation.check_gate_params(use_gate_in_kernel, A_log, dt_bias, v)
     validation.check_same_device({"q": q, "A_log": A_log, "dt_bias": dt_bias})
-    scale = _resolve_scale(scale, q.shape[3])
-    _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
-    if segment_len is None and auto_cp is not False:
-        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
-                                        uses_warmup(kernels, shortcut_bound))
+    if traced:               # offsets' values, backend, split and scale: in the custom op
+        validation.check_scale(scale)
+        kernels = None
+    else:
+        scale = _resolve_scale(scale, q.shape[3])
+        _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
+        if segment_len is None and auto_cp is not False:
+            segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
+                                            uses_warmup(kernels, shortcut_bound))
 
     # Pre-passes: everything the kernels' canonical contract does not cover.
     if use_qk_l2norm_in_kernel:
@@ -506,7 +535,13 @@ def chunk_gated_delta_rule(
 
     args = (q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
             cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
-    if _needs_grad(q, k, v, g, beta, initial_state):
+    if traced:
+        o, final_state = _traced_forward(
+            q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+            cu_seqlens_cpu, segment_len, segment_len is None and auto_cp is not False,
+            shortcut_bound, save_chunk_states and _needs_grad(q, k, v, g, beta, initial_state),
+            backend)
+    elif _needs_grad(q, k, v, g, beta, initial_state):
         o, final_state = _ChunkGatedDeltaRule.apply(*args, save_chunk_states)
     else:
         o, final_state = _inference(*args)
