@@ -350,8 +350,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 # --------------------------------------------------------------------------------------
 
 def _traced_forward(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-                    cu_seqlens_cpu, segment_len, auto_segment, shortcut_bound, keep_states,
-                    backend):
+                    cu_seqlens_cpu, segment_len, auto_segment, shortcut_bound, backend):
     """The forward of a traced call: ``torch.ops.flash_qla.chunk_gdn_fwd``
     (:mod:`flash_qla.ops`, differentiable through its registered backward), which reads
     the offsets, checks their values, picks the backend and plans the split at run time.
@@ -362,7 +361,7 @@ def _traced_forward(q, k, v, g, beta, initial_state, scale, output_final_state, 
                         f"{type(backend).__name__}")
     o, final_state, *_ = torch.ops.flash_qla.chunk_gdn_fwd(
         q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
-        None if scale is None else float(scale), output_final_state, keep_states,
+        None if scale is None else float(scale), output_final_state,
         -1 if segment_len is None else segment_len, auto_segment, shortcut_bound,
         backend or "")
     return o, (final_state if output_final_state else None)
@@ -539,8 +538,7 @@ def chunk_gated_delta_rule(
         o, final_state = _traced_forward(
             q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
             cu_seqlens_cpu, segment_len, segment_len is None and auto_cp is not False,
-            shortcut_bound, save_chunk_states and _needs_grad(q, k, v, g, beta, initial_state),
-            backend)
+            shortcut_bound, backend)
     elif _needs_grad(q, k, v, g, beta, initial_state):
         o, final_state = _ChunkGatedDeltaRule.apply(*args, save_chunk_states)
     else:

@@ -14,15 +14,20 @@ messages), raised by the op before any kernel runs.
 The ops take tensors and static scalars only (a backend by name, ``""`` for the
 automatic choice; ``segment_len`` -1 for none) and return no None: an absent state is an
 empty tensor. The forward returns, besides ``o`` and ``final_state``, what its backward
-reads: the gate cumsum, A, and the chunk states a backend keeps
-(``Kernels.keeps_states``; their count is data-dependent, ``[n, Hv, K, V]`` in q's dtype,
-``n = 0`` when none are kept), so that a compiled graph saves them like any tensor.
+reads: the gate cumsum and A, so that a compiled graph saves them like any tensor.
 
 Differences from the eager autograd Function, each costing a little on the compiled
-path only: the backward makes its saved inputs contiguous and converts beta to the
-kernels' dtype again (the Function saves the forward's copies), and it plans an
-automatic segment split again from the same lengths (the same plan, except where the
-forward ran inside a CUDA-graph capture and the backward does not).
+path only:
+
+* no chunk states are kept for the backward (``save_chunk_states``,
+  ``Kernels.keeps_states``): how many a backend keeps depends on the lengths, and an
+  output of data-dependent size breaks a graph unless ``fullgraph=True``; the backward
+  recomputes them (FLA's way; on sm90 ~0.25 ms of a 1.6 ms backward at 8 x 4096 tokens);
+* the backward makes its saved inputs contiguous and converts beta to the kernels'
+  dtype again (the Function saves the forward's copies);
+* it plans an automatic segment split again from the same lengths, where the backend
+  has the bounded split's backward (the same plan, except where the forward ran inside
+  a CUDA-graph capture and the backward does not).
 
 Eager calls never take this path: a custom op costs tens of microseconds of host time
 per call, the eager autograd Function a few.
@@ -34,7 +39,6 @@ import torch
 from torch import Tensor
 
 from flash_qla import api, validation
-from flash_qla.backend import keeps_states
 from flash_qla.segments import CHUNK, uses_warmup, warmup_bwd
 
 __all__ = ["chunk_gdn_bwd", "chunk_gdn_fwd"]
@@ -70,17 +74,6 @@ def _segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu, segment_len: int,
                                  uses_warmup(kernels, shortcut_bound))
 
 
-def _kept_states(states: Tensor | None, q: Tensor, v: Tensor) -> Tensor:
-    """The backend's kept chunk states as the op returns them: ``[n, Hv, K, V]`` in q's
-    dtype (the packing the fake declares); anything else (none kept, another packing) is
-    ``[0, Hv, K, V]`` and the backward recomputes."""
-    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-    if (states is not None and states.dim() == 4 and tuple(states.shape[1:]) == (Hv, K, V)
-            and states.dtype == q.dtype):
-        return states.contiguous()
-    return q.new_empty(0, Hv, K, V)
-
-
 # --------------------------------------------------------------------------------------
 # Forward op
 # --------------------------------------------------------------------------------------
@@ -90,21 +83,18 @@ def chunk_gdn_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     initial_state: Tensor | None, cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None, scale: float | None, output_final_state: bool,
-    keep_states: bool, segment_len: int, auto_segment: bool, shortcut_bound: float,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    segment_len: int, auto_segment: bool, shortcut_bound: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gated DeltaNet forward in the canonical layout (inputs as
     ``chunk_gated_delta_rule`` after its pre-passes and static checks).
 
-    ``scale`` None: ``K ** -0.5``. ``keep_states``: ask a backend with
-    ``Kernels.keeps_states`` for its chunk states (a call autograd records with
-    ``save_chunk_states``). ``segment_len``: tokens per segment, -1 for no split;
-    ``auto_segment``: without one, let the backend plan it (``auto_cp``).
+    ``scale`` None: ``K ** -0.5``. ``segment_len``: tokens per segment, -1 for no
+    split; ``auto_segment``: without one, let the backend plan it (``auto_cp``).
 
-    Returns ``(o, final_state, g_cumsum, A, states)``: o ``[B, T, Hv, V]`` in q's dtype;
+    Returns ``(o, final_state, g_cumsum, A)``: o ``[B, T, Hv, V]`` in q's dtype;
     final_state ``[N, Hv, K, V]`` fp32 (fp64 for fp64 inputs), ``[0]`` without
     ``output_final_state``; g_cumsum ``[B, T, Hv]`` fp32 (fp64); A ``[B, T, Hv, C]`` in
-    q's dtype; states ``[n, Hv, K, V]`` in q's dtype (n = 0: none kept).
+    q's dtype.
     """
     kernels, cu_seqlens_cpu = _kernels_and_offsets(q, v, backend, cu_seqlens,
                                                    cu_seqlens_cpu, g, beta, initial_state,
@@ -113,30 +103,26 @@ def chunk_gdn_fwd(
     split = _segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu, segment_len,
                          auto_segment, shortcut_bound)
     q, k, v, g, beta, initial_state = api._contiguous(q, k, v, g, beta, initial_state)
-    g_cumsum, A, o, states, final_state = api._forward(
+    g_cumsum, A, o, _, final_state = api._forward(
         q, k, v, g, api._kernel_beta(kernels, beta), initial_state, scale,
-        output_final_state, cu_seqlens, cu_seqlens_cpu, kernels, split, shortcut_bound,
-        keep_states and keeps_states(kernels))
+        output_final_state, cu_seqlens, cu_seqlens_cpu, kernels, split, shortcut_bound)
     if final_state is None:
         final_state = q.new_empty(0, dtype=validation.state_dtype(q))
-    return (o.contiguous(), final_state.contiguous(), g_cumsum.contiguous(), A.contiguous(),
-            _kept_states(states, q, v))
+    return o.contiguous(), final_state.contiguous(), g_cumsum.contiguous(), A.contiguous()
 
 
 @chunk_gdn_fwd.register_fake
 def _chunk_gdn_fwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                        output_final_state, keep_states, segment_len, auto_segment,
-                        shortcut_bound, backend):
+                        output_final_state, segment_len, auto_segment, shortcut_bound,
+                        backend):
     B, T, Hv, V = v.shape
     K = q.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     work = validation.state_dtype(q)
     final_state = (q.new_empty(N, Hv, K, V, dtype=work) if output_final_state
                    else q.new_empty(0, dtype=work))
-    # how many chunk states a backend keeps depends on the lengths (and the backend)
-    n = torch.library.get_ctx().new_dynamic_size() if keep_states else 0
     return (q.new_empty(B, T, Hv, V), final_state, q.new_empty(B, T, Hv, dtype=work),
-            q.new_empty(B, T, Hv, CHUNK), q.new_empty(n, Hv, K, V))
+            q.new_empty(B, T, Hv, CHUNK))
 
 
 # --------------------------------------------------------------------------------------
@@ -147,11 +133,12 @@ def _chunk_gdn_fwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_
 def chunk_gdn_bwd(
     q: Tensor, k: Tensor, v: Tensor, g_cumsum: Tensor, beta: Tensor, A: Tensor, do: Tensor,
     dht: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None, states: Tensor, scale: float | None,
-    segment_len: int, auto_segment: bool, shortcut_bound: float, backend: str,
+    cu_seqlens_cpu: Tensor | None, scale: float | None, segment_len: int,
+    auto_segment: bool, shortcut_bound: float, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward of :func:`chunk_gdn_fwd` from its saved inputs and outputs (g_cumsum,
-    A, states) and the gradients ``do`` ``[B, T, Hv, V]`` and ``dht`` (None: zero).
+    A) and the gradients ``do`` ``[B, T, Hv, V]`` and ``dht`` (None: zero); the chunk
+    states are recomputed.
 
     Returns ``(dq, dk, dv, dbeta, dg, dh0)``: dq, dk ``[B, T, Hk, K]``, dv in q's dtype;
     dbeta in beta's dtype; dg ``[B, T, Hv]`` fp32 (fp64 for fp64 inputs) w.r.t. the raw
@@ -161,22 +148,21 @@ def chunk_gdn_bwd(
                                                    cu_seqlens_cpu, g_cumsum, beta,
                                                    initial_state, dht, check_values=False)
     scale = q.shape[3] ** -0.5 if scale is None else scale
-    split = _segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu, segment_len,
-                         auto_segment, shortcut_bound)
     bwd = kernels.bwd
-    if (split is not None and uses_warmup(kernels, shortcut_bound)
-            and getattr(kernels, "bwd_warmup", None) is not None
-            and api._split_allowed(q, cu_seqlens)):
-        bwd = functools.partial(warmup_bwd, kernels, segment_len=split,
-                                shortcut_bound=shortcut_bound)
-    kept = {} if states.shape[0] == 0 else {"states": states}        # else: recomputed
+    # the bounded split's backward where the backend has one (else the unsplit one)
+    if (uses_warmup(kernels, shortcut_bound) and getattr(kernels, "bwd_warmup", None)
+            is not None and api._split_allowed(q, cu_seqlens)):
+        split = _segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu, segment_len,
+                             auto_segment, shortcut_bound)
+        if split is not None:
+            bwd = functools.partial(warmup_bwd, kernels, segment_len=split,
+                                    shortcut_bound=shortcut_bound)
     beta_dtype = beta.dtype
     q, k, v, g_cumsum, beta, A, do, dht, initial_state = api._contiguous(
         q, k, v, g_cumsum, beta, A, do, dht, initial_state)
     dq, dk, dv, dbeta, dg, dh0 = bwd(
         q, k, v, g_cumsum, api._kernel_beta(kernels, beta), A, do, dht=dht, scale=scale,
-        initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        **kept)
+        initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     if dh0 is None:
         dh0 = q.new_empty(0, dtype=validation.state_dtype(q))
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
@@ -185,8 +171,8 @@ def chunk_gdn_bwd(
 
 @chunk_gdn_bwd.register_fake
 def _chunk_gdn_bwd_fake(q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_seqlens,
-                        cu_seqlens_cpu, states, scale, segment_len, auto_segment,
-                        shortcut_bound, backend):
+                        cu_seqlens_cpu, scale, segment_len, auto_segment, shortcut_bound,
+                        backend):
     work = validation.state_dtype(q)
     dh0 = (q.new_empty(initial_state.shape, dtype=work) if initial_state is not None
            else q.new_empty(0, dtype=work))
@@ -199,27 +185,33 @@ def _chunk_gdn_bwd_fake(q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_s
 # --------------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, _, _,
+    """Saves what :func:`_backward` reads: the inputs, the forward's g_cumsum and A
+    (outputs without a gradient, as is an absent final state)."""
+    (q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
      segment_len, auto_segment, shortcut_bound, backend) = inputs
-    _, _, g_cumsum, A, states = output
+    _, final_state, g_cumsum, A = output
     ctx.save_for_backward(q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens,
-                          cu_seqlens_cpu, states)
+                          cu_seqlens_cpu)
     ctx.statics = (scale, segment_len, auto_segment, shortcut_bound, backend)
-    ctx.g_dtype = g.dtype
-    ctx.mark_non_differentiable(g_cumsum, A, states)
+    ctx.g_dtype, ctx.output_final_state = g.dtype, output_final_state
+    ctx.mark_non_differentiable(g_cumsum, A, *(() if output_final_state else (final_state,)))
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dht, *_):
-    q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, cu_seqlens_cpu, states = (
-        ctx.saved_tensors)
+    """Gradients of q, k, v, g, beta, initial_state by :func:`chunk_gdn_bwd`: dg in g's
+    dtype, None for an absent initial state and for the static arguments. ``do`` or
+    ``dht`` None (unused outputs, eager autograd): zero."""
+    q, k, v, g_cumsum, beta, A, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
     if do is None:                                                    # o unused
         do = torch.zeros_like(v, dtype=q.dtype)                       # [B,T,Hv,V]
+    if not ctx.output_final_state:                # an empty final state: no gradient
+        dht = None
     dq, dk, dv, dbeta, dg, dh0 = chunk_gdn_bwd(
         q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_seqlens, cu_seqlens_cpu,
-        states, *ctx.statics)
+        *ctx.statics)
     return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None if initial_state is None else dh0,
-            None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 chunk_gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
