@@ -223,14 +223,16 @@ def call_targets(gm) -> set[str]:
     return {str(node.target) for node in gm.graph.nodes if node.op == "call_function"}
 
 
-@pytest.mark.parametrize("config", ["dense", "varlen"])
-def test_one_graph_holding_the_ops_and_no_value_read(config):
-    cfg = DENSE if config == "dense" else VARLEN
-    inputs = make_inputs(cfg)
-    explained = torch._dynamo.explain(caller())(inputs, cu_tensor(cfg))
+@pytest.mark.parametrize("case", ["dense", "varlen-all-options"])
+def test_one_graph_holding_the_ops_and_no_value_read(case):
+    """Without fullgraph too: one graph, no break (explain); its forward holds the
+    forward op, its backward the backward op, neither reads a tensor's value."""
+    cfg, api_kwargs, _, inputs = case_inputs(case)
+    explained = torch._dynamo.explain(caller(**api_kwargs))(inputs, cu_tensor(cfg))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     graphs: dict = {}
-    fn = torch.compile(caller(), backend=recording_backend(graphs), fullgraph=True)
+    fn = torch.compile(caller(**api_kwargs), backend=recording_backend(graphs),
+                       fullgraph=True)
     grads(fn(inputs, cu_tensor(cfg)), inputs)
     (fwd,), (bwd,) = graphs["forward"], graphs["backward"]
     assert "flash_qla.chunk_gdn_fwd.default" in call_targets(fwd)
@@ -419,3 +421,21 @@ def test_ops_return_the_torch_backends_values():
                             output_h=False)
     assert all(torch.equal(a, b) for a, b in zip((g_cumsum, A, o, final_state),
                                                   (ref[0], ref[1], ref[2], ref[4])))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export(strict):
+    """torch.export traces the same path: one op call, the eager call's values."""
+    class Module(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, initial_state, cu_seqlens):
+            return flash_qla.chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                output_final_state=True)
+
+    x = {n: t.detach() for n, t in make_inputs(VARLEN).items()}
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], cu_tensor(VARLEN))
+    program = torch.export.export(Module(), args, strict=strict)
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count("flash_qla.chunk_gdn_fwd.default") == 1
+    out, ref = program.module()(*args), Module()(*args)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))

@@ -29,6 +29,16 @@ Layers, top to bottom:
    cumsum and A are saved, never recomputed.
 3. :func:`chunk_gated_delta_rule_fwd` / :func:`chunk_gated_delta_rule_bwd` are the
    validated low-level pair (canonical layout, no pre-passes, no autograd).
+
+A traced call (``torch.compile``, ``torch.export``: ``torch.compiler.is_compiling()``)
+takes another path below layer 1, so that the trace holds no lock, no host read and no
+branch on tensor values: the public function makes only the checks on metadata and the
+pre/post-passes, and calls the custom op ``torch.ops.flash_qla.chunk_gdn_fwd``
+(:mod:`flash_qla.ops`; autograd through its registered backward, the op
+``chunk_gdn_bwd``), which at run time reads the offsets, checks their values, selects
+the backend, plans the split and calls its ``Kernels`` as layer 2 does. Public function
+-> custom op (autograd registered on it) -> backend ``Kernels``. Eager calls skip the
+op: it would cost about 50 us (inference) to 120 us (training) more host time per call.
 """
 
 from __future__ import annotations
@@ -478,7 +488,8 @@ def chunk_gated_delta_rule(
             backward: ``ceil(T / 64) * Hv * K * V`` elements in q's dtype per sequence
             (bf16, K = V = 128: 512 bytes per token and value head), about two thirds
             of what q, k, v themselves keep. False: recompute (FLA's and FlashQLA's
-            choice). Backends without kept states (``torch``) always recompute.
+            choice). Backends without kept states (``torch``) always recompute, and so
+            do traced calls (``torch.compile``; :mod:`flash_qla.ops`).
         enable_fwd_cp_cache, cp_context: accepted for compatibility; any value other
             than None/False raises NotImplementedError.
         backend: force a backend by name, e.g. ``"torch"`` (the env variable
@@ -493,6 +504,11 @@ def chunk_gated_delta_rule(
         ValueError: wrong shapes, devices, ``cu_seqlens`` contents, contradicting
             options, or head dims/dtypes the selected backend does not run.
         NotImplementedError: a compatibility keyword asking for something not built.
+
+        Under ``torch.compile`` the same errors: those on ``cu_seqlens`` contents and
+        on the backend come from the custom op when the compiled code runs; the
+        others while the call is traced, where ``fullgraph=True`` makes Dynamo raise
+        its own error (``torch._dynamo.exc.Unsupported``) quoting them.
 
     Not checked (would cost a pass over the data or a host sync): finite inputs,
     ``g <= 0``, beta's range, and ``cu_seqlens`` contents during CUDA-graph capture.

@@ -29,8 +29,9 @@ path only:
   has the bounded split's backward (the same plan, except where the forward ran inside
   a CUDA-graph capture and the backward does not).
 
-Eager calls never take this path: a custom op costs tens of microseconds of host time
-per call, the eager autograd Function a few.
+Eager calls never take this path: through the op, an eager call would cost about
+50 us more host time without autograd and 120 us more with it (CPU, kernels stubbed
+out: 33 us and 55 us per dense call by the eager path).
 """
 
 import functools
