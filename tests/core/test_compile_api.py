@@ -190,6 +190,19 @@ def test_compiled_with_dynamic_shapes():
         assert too_large(errors(actual, expected), EAGER_TOL) == {}, cfg
 
 
+def test_compiled_call_with_host_offsets():
+    """cu_seqlens_cpu as a graph input: the op plans and checks with it."""
+    def call(inputs, cu, cu_cpu):
+        return flash_qla.chunk_gated_delta_rule(**inputs, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                                                output_final_state=True)
+
+    inputs = make_inputs(VARLEN)
+    fn = torch.compile(call, backend="aot_eager", fullgraph=True)
+    actual = outputs_and_grads(fn(inputs, cu_tensor(VARLEN), cu_tensor(VARLEN)), inputs)
+    expected = outputs_and_grads(eager(inputs, VARLEN), inputs)
+    assert too_large(errors(actual, expected), EAGER_TOL) == {}
+
+
 def test_compiled_call_without_tokens():
     """T = 0 (the op picks the torch backend): empty o, the initial state as the final
     state, and its gradient passed through."""
@@ -365,20 +378,20 @@ def test_compiled_call_static_errors(fullgraph):
 # opcheck of the ops (fakes, schema, autograd registration, AOT dispatch)
 # --------------------------------------------------------------------------------------
 
-# id -> (config, q/k/v dtype, with an initial state, output_final_state)
+# id -> (config, q/k/v dtype, g/beta dtype, with an initial state, output_final_state)
 OPCHECK = {
-    "dense-fp32-h0": (DENSE, torch.float32, True, True),
-    "dense-bf16": (DENSE, torch.bfloat16, False, True),
-    "varlen-fp32": (VARLEN, torch.float32, False, True),
-    "varlen-bf16-h0": (VARLEN, torch.bfloat16, True, True),
-    "varlen-fp64-h0-no-final-state": (VARLEN, torch.float64, True, False),
+    "dense-fp32-h0": (DENSE, torch.float32, torch.float32, True, True),
+    "dense-bf16-fp32-g-beta": (DENSE, torch.bfloat16, torch.float32, False, True),
+    "varlen-fp32": (VARLEN, torch.float32, torch.float32, False, True),
+    "varlen-bf16-h0": (VARLEN, torch.bfloat16, torch.bfloat16, True, True),
+    "varlen-fp64-h0-no-final-state": (VARLEN, torch.float64, torch.float64, True, False),
 }
 
 
-def fwd_args(cfg, dtype, with_h0: bool, output_final_state: bool, *,
+def fwd_args(cfg, dtype, gate_dtype, with_h0: bool, output_final_state: bool, *,
              segment_len: int = -1) -> tuple:
-    """Arguments of ``chunk_gdn_fwd``: leaves requiring grad, g and beta fp32."""
-    x = make_inputs(cfg, dtype, torch.float32, torch.float32)
+    """Arguments of ``chunk_gdn_fwd`` (tensors: leaves requiring grad)."""
+    x = make_inputs(cfg, dtype, gate_dtype, gate_dtype)
     return (x["q"], x["k"], x["v"], x["g"], x["beta"],
             x["initial_state"] if with_h0 else None, cu_tensor(cfg), None, None,
             output_final_state, segment_len, False, DEFAULT_SHORTCUT_BOUND, "")
@@ -391,9 +404,8 @@ def test_opcheck_forward(case):
 
 @pytest.mark.parametrize("case", list(OPCHECK))
 def test_opcheck_backward(case):
-    cfg, dtype, with_h0, output_final_state = OPCHECK[case]
-    args = [a.detach() if isinstance(a, torch.Tensor) else a
-            for a in fwd_args(cfg, dtype, with_h0, output_final_state)]
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in fwd_args(*OPCHECK[case])]
+    output_final_state = args[9]
     q, k, v, _, beta, h0, cu = args[:7]
     o, final_state, g_cumsum, A = ops.chunk_gdn_fwd(*args)
     gen = torch.Generator().manual_seed(2)
@@ -405,15 +417,15 @@ def test_opcheck_backward(case):
 
 
 def test_opcheck_forward_with_a_split():
-    torch.library.opcheck(ops.chunk_gdn_fwd, fwd_args(DENSE, torch.float32, True, True,
-                                                      segment_len=64))
+    args = fwd_args(DENSE, torch.float32, torch.float32, True, True, segment_len=64)
+    torch.library.opcheck(ops.chunk_gdn_fwd, args)
 
 
 def test_ops_return_the_torch_backends_values():
     """The op's forward and backward are the backend's Kernels.fwd / bwd (plus the
     empty placeholders)."""
     args = [a.detach() if isinstance(a, torch.Tensor) else a
-            for a in fwd_args(VARLEN, torch.float64, True, True)]
+            for a in fwd_args(VARLEN, torch.float64, torch.float64, True, True)]
     q, k, v, g, beta, h0, cu = args[:7]
     o, final_state, g_cumsum, A = ops.chunk_gdn_fwd(*args)
     ref = TORCH_KERNELS.fwd(q, k, v, g, beta, scale=VARLEN.K ** -0.5, initial_state=h0,
