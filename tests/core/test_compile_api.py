@@ -122,11 +122,19 @@ def test_inductor_matches_eager():
     assert too_large(errors(actual, expected), 1e-10) == {}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_compiled_lower_precision_equals_eager(dtype):
+# id -> (q/k/v dtype, g dtype, beta dtype)
+PRECISIONS = {
+    "fp32": (torch.float32, torch.float32, torch.float32),
+    "bf16-qkv-fp32-g-beta": (torch.bfloat16, torch.float32, torch.float32),
+    "bf16-qkv-g-beta": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_compiled_lower_precision_equals_eager(precision):
     """Outputs and gradients in the caller's dtypes (dbeta in beta's, dg in g's), the
     eager call's values."""
-    inputs = make_inputs(VARLEN, dtype, torch.float32, dtype)
+    inputs = make_inputs(VARLEN, *PRECISIONS[precision])
     out = compiled()(inputs, cu_tensor(VARLEN))
     actual = outputs_and_grads(out, inputs)
     expected = outputs_and_grads(eager(inputs, VARLEN), inputs)
@@ -291,6 +299,43 @@ def test_compiled_segment_len(config):
     actual = outputs_and_grads(compiled(segment_len=64)(inputs, cu_tensor(cfg)), inputs)
     expected = outputs_and_grads(oracle(inputs, cfg), inputs)
     assert too_large(errors(actual, expected), FP64_TOL) == {}
+
+
+class WarmupKernels(PlanningKernels):
+    """The torch backend's bounded split forward (``fwd_warmup``), a planner splitting
+    at 64 tokens, and a ``bwd_warmup`` recording the segments it is handed (zero
+    gradients, dh0 zero: only which backward runs on which split is checked here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bwd_segments = []
+
+    def fwd_warmup(self, *args, **kwargs):
+        return TORCH_KERNELS.fwd_warmup(*args, **kwargs)
+
+    def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
+                   cu_seqlens, cu_seqlens_cpu, starts, ends):
+        self.bwd_segments.append((cu_seqlens_cpu.tolist(), starts.bound, ends.bound))
+        nseg = len(cu_seqlens_cpu) - 1
+        dh0 = None if initial_state is None else initial_state.new_zeros(
+            nseg, *initial_state.shape[1:])
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                torch.zeros_like(beta), torch.zeros_like(g_cumsum), dh0)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"segment_len": 64}], ids=["auto", "segment_len"])
+def test_compiled_bounded_split_runs_its_backward(monkeypatch, kwargs):
+    """A bounded split forward (planned, or by segment_len) is followed by the
+    backend's bounded backward on the same segments, as in the eager call."""
+    kernels = WarmupKernels()
+    monkeypatch.setattr(dispatch, "get_kernels",
+                        lambda device, **kw: (dispatch.TORCH_BACKEND, kernels))
+    inputs = make_inputs(VARLEN)
+    grads(eager(inputs, VARLEN, **kwargs), inputs)
+    grads(compiled(**kwargs)(inputs, cu_tensor(VARLEN)), inputs)
+    (eager_split, compiled_split) = kernels.bwd_segments
+    assert compiled_split == eager_split
+    assert eager_split[0] == [0, 64, 70, 71, 135, 140]            # segments of 64
 
 
 class KeepingKernels(SpyKernels):
