@@ -29,6 +29,16 @@ Layers, top to bottom:
    cumsum and A are saved, never recomputed.
 3. :func:`chunk_gated_delta_rule_fwd` / :func:`chunk_gated_delta_rule_bwd` are the
    validated low-level pair (canonical layout, no pre-passes, no autograd).
+
+A traced call (``torch.compile``, ``torch.export``: ``torch.compiler.is_compiling()``)
+takes another path below layer 1, so that the trace holds no lock, no host read and no
+branch on tensor values: the public function makes only the checks on metadata and the
+pre/post-passes, and calls the custom op ``torch.ops.flash_qla.chunk_gdn_fwd``
+(:mod:`flash_qla.ops`; autograd through its registered backward, the op
+``chunk_gdn_bwd``), which at run time reads the offsets, checks their values, selects
+the backend, plans the split and calls its ``Kernels`` as layer 2 does. Public function
+-> custom op (autograd registered on it) -> backend ``Kernels``. Eager calls skip the
+op: it would cost about 50 us (inference) to 120 us (training) more host time per call.
 """
 
 from __future__ import annotations
@@ -389,6 +399,28 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------
+# Traced calls (torch.compile, torch.export): the custom op
+# --------------------------------------------------------------------------------------
+
+def _traced_forward(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+                    cu_seqlens_cpu, segment_len, auto_segment, shortcut_bound, backend):
+    """The forward of a traced call: ``torch.ops.flash_qla.chunk_gdn_fwd``
+    (:mod:`flash_qla.ops`, differentiable through its registered backward), which reads
+    the offsets, checks their values, picks the backend and plans the split at run time.
+    ``scale`` None (``K ** -0.5``) is resolved there too: K may be symbolic in a trace.
+    Returns ``(o, final_state)``, final_state None without ``output_final_state``."""
+    if backend is not None and not isinstance(backend, str):       # as dispatch says it
+        raise TypeError(f"backend: expected a backend name (str) or None, got "
+                        f"{type(backend).__name__}")
+    o, final_state, *_ = torch.ops.flash_qla.chunk_gdn_fwd(
+        q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+        None if scale is None else float(scale), output_final_state,
+        -1 if segment_len is None else segment_len, auto_segment, shortcut_bound,
+        backend or "")
+    return o, (final_state if output_final_state else None)
+
+
+# --------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------
 
@@ -501,7 +533,8 @@ def chunk_gated_delta_rule(
             backward: ``ceil(T / 64) * Hv * K * V`` elements in q's dtype per sequence
             (bf16, K = V = 128: 512 bytes per token and value head), about two thirds
             of what q, k, v themselves keep. False: recompute (FLA's and FlashQLA's
-            choice). Backends without kept states (``torch``) always recompute.
+            choice). Backends without kept states (``torch``) always recompute, and so
+            do traced calls (``torch.compile``; :mod:`flash_qla.ops`).
         enable_fwd_cp_cache, cp_context: accepted for compatibility; any value other
             than None/False raises NotImplementedError.
         backend: force a backend by name, e.g. ``"torch"`` (the env variable
@@ -519,6 +552,11 @@ def chunk_gated_delta_rule(
             options, or head dims/dtypes the selected backend does not run.
         NotImplementedError: a compatibility keyword asking for something not built.
 
+        Under ``torch.compile`` the same errors: those on ``cu_seqlens`` contents and
+        on the backend come from the custom op when the compiled code runs; the
+        others while the call is traced, where ``fullgraph=True`` makes Dynamo raise
+        its own error (``torch._dynamo.exc.Unsupported``) quoting them.
+
     Not checked (would cost a pass over the data or a host sync): finite inputs,
     ``g <= 0``, beta's range, and ``cu_seqlens`` contents during CUDA-graph capture.
     """
@@ -531,17 +569,23 @@ def chunk_gated_delta_rule(
     validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     validation.check_bool("use_gate_in_kernel", use_gate_in_kernel)
     validation.check_bool("save_chunk_states", save_chunk_states)
-    cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
+    traced = torch.compiler.is_compiling()      # torch.compile / export: nothing read here
+    cu_seqlens_cpu, host_read = ((cu_seqlens_cpu, False) if traced
+                                 else _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q))
     validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                                v_first=v_first, host_read=host_read)
+                                v_first=v_first, host_read=host_read, values=not traced)
     validation.check_gate_params(use_gate_in_kernel, A_log, dt_bias, v)
     validation.check_same_device({"q": q, "A_log": A_log, "dt_bias": dt_bias})
-    scale = _resolve_scale(scale, q.shape[3])
-    _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
-    if segment_len is None and auto_cp is not False:
-        segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
-                                        uses_warmup(kernels, shortcut_bound))
+    if traced:               # offsets' values, backend, split and scale: in the custom op
+        validation.check_scale(scale)
+        kernels = None
+    else:
+        scale = _resolve_scale(scale, q.shape[3])
+        _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
+        if segment_len is None and auto_cp is not False:
+            segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
+                                            uses_warmup(kernels, shortcut_bound))
 
     # Pre-passes: everything the kernels' canonical contract does not cover.
     if use_qk_l2norm_in_kernel:
@@ -552,7 +596,12 @@ def chunk_gated_delta_rule(
 
     args = (q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
             cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
-    if _needs_grad(q, k, v, g, beta, initial_state):
+    if traced:
+        o, final_state = _traced_forward(
+            q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
+            cu_seqlens_cpu, segment_len, segment_len is None and auto_cp is not False,
+            shortcut_bound, backend)
+    elif _needs_grad(q, k, v, g, beta, initial_state):
         o, final_state = _ChunkGatedDeltaRule.apply(*args, save_chunk_states)
     else:
         o, final_state = _inference(*args)

@@ -321,8 +321,13 @@ def _describe_device(index: int, cap: tuple[int, int]) -> str:
 
 
 def _load(spec: BackendSpec, index: int) -> Any:
-    """The spec's kernels, loaded once per (device index, name); errors are chained."""
+    """The spec's kernels, loaded once per (device index, name); errors are chained.
+    Once loaded they are read without the lock (a dict read is atomic): the lock is
+    taken only while nothing is loaded yet."""
     key = (index, spec.name)
+    kernels = _kernels.get(key)
+    if kernels is not None:
+        return kernels
     with _lock:
         if key in _kernels:
             return _kernels[key]

@@ -226,12 +226,13 @@ def is_capturing(device: torch.device) -> bool:
 
 def check_cu_seqlens(
     cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, q: torch.Tensor,
-    *, host_read: bool = False,
+    *, host_read: bool = False, values: bool = True,
 ) -> int:
     """All cu_seqlens checks; returns N (sequences). Never syncs during graph capture.
     ``host_read``: ``cu_seqlens_cpu`` is the call's own host copy of ``cu_seqlens``
     (:func:`flash_qla.offsets.host_offsets`), so its values are reported as
-    ``cu_seqlens``'."""
+    ``cu_seqlens``'. ``values=False``: kinds, shapes and devices only, nothing read
+    (a traced call: its custom op checks the values, :mod:`flash_qla.ops`)."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             check_cu_seqlens_cpu(None, cu_seqlens_cpu)
@@ -240,6 +241,9 @@ def check_cu_seqlens(
     check_cu_seqlens_batch(q.shape[0])
     if cu_seqlens_cpu is not None:
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
+    if not values:
+        return cu_seqlens.numel() - 1
+    if cu_seqlens_cpu is not None:
         check_cu_seqlens_values("cu_seqlens" if host_read else "cu_seqlens_cpu",
                                 cu_seqlens_cpu.tolist(), q.shape[1])
         # the same values where both are on the host (for a device cu_seqlens the check
@@ -342,9 +346,10 @@ def uses_float64(*tensors: torch.Tensor | None) -> bool:
 def validate_forward(
     q, k, v, g, beta, *, initial_state, cu_seqlens, cu_seqlens_cpu,
     v_first: bool = False, gate_name: str = "g", host_read: bool = False,
+    values: bool = True,
 ) -> int:
     """Every forward input check, in a fixed order; returns N (sequences).
-    ``host_read``: see :func:`check_cu_seqlens`."""
+    ``host_read``, ``values``: see :func:`check_cu_seqlens`."""
     for name, x in (("q", q), ("k", k), ("v", v), (gate_name, g), ("beta", beta)):
         check_is_tensor(name, x)
     check_is_tensor("initial_state", initial_state, optional=True)
@@ -358,7 +363,7 @@ def validate_forward(
     check_beta_dtype(beta, q)
     check_same_device({"q": q, "k": k, "v": v, gate_name: g, "beta": beta,
                        "initial_state": initial_state, "cu_seqlens": cu_seqlens})
-    N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, host_read=host_read)
+    N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, host_read=host_read, values=values)
     if initial_state is not None:
         check_state("initial_state", initial_state, q, v, N, v_first=v_first, initial=True)
     return N
