@@ -1,6 +1,6 @@
 """The traced path on CPU (torch backend): ``torch.compile(fullgraph=True)`` of
 ``flash_qla.chunk_gated_delta_rule`` and ``torch.library.opcheck`` of its custom ops
-(:mod:`flash_qla.ops`).
+(:mod:`flash_qla.custom_ops`).
 
 A compiled call must give the eager call's outputs and gradients (and so the fp64
 recurrence's, ``tests/core/test_api.py``), with the whole call in one graph whose only
@@ -15,7 +15,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import flash_qla
-from flash_qla import api, dispatch, ops
+from flash_qla import api, custom_ops, dispatch
 from flash_qla.reference import TORCH_KERNELS
 from flash_qla.segments import DEFAULT_SHORTCUT_BOUND
 from tests.core.test_api import (
@@ -444,7 +444,7 @@ def fwd_args(cfg, dtype, gate_dtype, with_h0: bool, output_final_state: bool, *,
 
 @pytest.mark.parametrize("case", list(OPCHECK))
 def test_opcheck_forward(case):
-    torch.library.opcheck(ops.chunk_gdn_fwd, fwd_args(*OPCHECK[case]))
+    torch.library.opcheck(custom_ops.chunk_gdn_fwd, fwd_args(*OPCHECK[case]))
 
 
 @pytest.mark.parametrize("case", list(OPCHECK))
@@ -452,18 +452,18 @@ def test_opcheck_backward(case):
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in fwd_args(*OPCHECK[case])]
     output_final_state = args[9]
     q, k, v, _, beta, h0, cu = args[:7]
-    o, final_state, g_cumsum, A = ops.chunk_gdn_fwd(*args)
+    o, final_state, g_cumsum, A = custom_ops.chunk_gdn_fwd(*args)
     gen = torch.Generator().manual_seed(2)
     do = torch.randn(o.shape, generator=gen).to(o.dtype)
     dht = torch.randn(final_state.shape, generator=gen).to(final_state.dtype)
-    torch.library.opcheck(ops.chunk_gdn_bwd, (
+    torch.library.opcheck(custom_ops.chunk_gdn_bwd, (
         q, k, v, g_cumsum, beta, A, do, dht if output_final_state else None, h0, cu, None,
         None, -1, False, DEFAULT_SHORTCUT_BOUND, ""))
 
 
 def test_opcheck_forward_with_a_split():
     args = fwd_args(DENSE, torch.float32, torch.float32, True, True, segment_len=64)
-    torch.library.opcheck(ops.chunk_gdn_fwd, args)
+    torch.library.opcheck(custom_ops.chunk_gdn_fwd, args)
 
 
 def test_ops_return_the_torch_backends_values():
@@ -472,7 +472,7 @@ def test_ops_return_the_torch_backends_values():
     args = [a.detach() if isinstance(a, torch.Tensor) else a
             for a in fwd_args(VARLEN, torch.float64, torch.float64, True, True)]
     q, k, v, g, beta, h0, cu = args[:7]
-    o, final_state, g_cumsum, A = ops.chunk_gdn_fwd(*args)
+    o, final_state, g_cumsum, A = custom_ops.chunk_gdn_fwd(*args)
     ref = TORCH_KERNELS.fwd(q, k, v, g, beta, scale=VARLEN.K ** -0.5, initial_state=h0,
                             cu_seqlens=cu, cu_seqlens_cpu=None, output_final_state=True,
                             output_h=False)

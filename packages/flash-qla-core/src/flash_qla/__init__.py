@@ -8,7 +8,7 @@ backends are discovered on the first call (see :mod:`flash_qla.backend`).
 
 from importlib.metadata import PackageNotFoundError, version
 
-from flash_qla import ops, utils  # noqa: F401  (ops: registers torch.ops.flash_qla)
+from flash_qla import custom_ops, utils  # noqa: F401  (custom_ops: registers torch.ops.flash_qla)
 from flash_qla.api import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_bwd,

@@ -34,7 +34,7 @@ A traced call (``torch.compile``, ``torch.export``: ``torch.compiler.is_compilin
 takes another path below layer 1, so that the trace holds no lock, no host read and no
 branch on tensor values: the public function makes only the checks on metadata and the
 pre/post-passes, and calls the custom op ``torch.ops.flash_qla.chunk_gdn_fwd``
-(:mod:`flash_qla.ops`; autograd through its registered backward, the op
+(:mod:`flash_qla.custom_ops`; autograd through its registered backward, the op
 ``chunk_gdn_bwd``), which at run time reads the offsets, checks their values, selects
 the backend, plans the split and calls its ``Kernels`` as layer 2 does. Public function
 -> custom op (autograd registered on it) -> backend ``Kernels``. Eager calls skip the
@@ -405,7 +405,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 def _traced_forward(q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
                     cu_seqlens_cpu, segment_len, auto_segment, shortcut_bound, backend):
     """The forward of a traced call: ``torch.ops.flash_qla.chunk_gdn_fwd``
-    (:mod:`flash_qla.ops`, differentiable through its registered backward), which reads
+    (:mod:`flash_qla.custom_ops`, differentiable through its registered backward), which reads
     the offsets, checks their values, picks the backend and plans the split at run time.
     ``scale`` None (``K ** -0.5``) is resolved there too: K may be symbolic in a trace.
     Returns ``(o, final_state)``, final_state None without ``output_final_state``."""
@@ -534,7 +534,7 @@ def chunk_gated_delta_rule(
             (bf16, K = V = 128: 512 bytes per token and value head), about two thirds
             of what q, k, v themselves keep. False: recompute (FLA's and FlashQLA's
             choice). Backends without kept states (``torch``) always recompute, and so
-            do traced calls (``torch.compile``; :mod:`flash_qla.ops`).
+            do traced calls (``torch.compile``; :mod:`flash_qla.custom_ops`).
         enable_fwd_cp_cache, cp_context: accepted for compatibility; any value other
             than None/False raises NotImplementedError.
         backend: force a backend by name, e.g. ``"torch"`` (the env variable

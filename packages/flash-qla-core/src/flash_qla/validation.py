@@ -232,7 +232,7 @@ def check_cu_seqlens(
     ``host_read``: ``cu_seqlens_cpu`` is the call's own host copy of ``cu_seqlens``
     (:func:`flash_qla.offsets.host_offsets`), so its values are reported as
     ``cu_seqlens``'. ``values=False``: kinds, shapes and devices only, nothing read
-    (a traced call: its custom op checks the values, :mod:`flash_qla.ops`)."""
+    (a traced call: its custom op checks the values, :mod:`flash_qla.custom_ops`)."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             check_cu_seqlens_cpu(None, cu_seqlens_cpu)
