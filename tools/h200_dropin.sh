@@ -3,8 +3,9 @@
 #   compile  every default sm90 kernel into the writable cache (14 processes, ~2 min on a
 #            fresh H200 host; cache hits from a carried .offline-gpu/tilelang-cache.tar.xz)
 #   tests    pytest -m gpu on TEST_PATHS (default: all of tests/)
-#   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes) with PEERS, one worker per
-#            implementation and mode; BENCH_ARGS adds options (e.g. --dense-batch)
+#   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes; default: README's rows) with
+#            PEERS, one worker per implementation and mode; BENCH_ARGS: options
+#            (default --dense-batch)
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (for the next call's carry)
 # Results: $OUT/results.tar.xz, tables printed last. Usage, on the H200, repo root:
 #   STAGES="compile tests cache" bash tools/h200_dropin.sh
@@ -31,8 +32,15 @@ if has tests; then
     --durations=5 ${TEST_PATHS:-tests} -m gpu > "$R/gpu-tests.txt" 2>&1
   echo "tests: $(tail -1 "$R/gpu-tests.txt")"
 fi
+# the README's rows: one long sequence at few heads, one at many, an RL batch of 6, 64 short
+# sequences, a dense batch (--dense-batch); the default peers: ours with host offsets, FLA
+# routed to ours, FlashQLA 0.1.3 (its kernels precompiled by tools/prepare_flashqla_peer.py)
+S6=seqs=5000+3000+2500+2000+2384+1500
+S64=seqs=$(python3 -c "print('+'.join(str(200 + (i * 131) % 700) for i in range(64)))")
+FWD_ROWS=${FWD_ROWS:-"fwd:4/8@1x65536,fwd:16/64@1x24576,fwd:16/32@$S6,fwd:2/4@$S64"}
+BWD_ROWS=${BWD_ROWS:-"bwd:4/8@1x65536,bwd:16/64@1x24576,bwd:16/32@$S6,bwd:2/4@$S64,bwd:8/16@4x4096"}
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
-B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} --peers ${PEERS:-host-offsets,fla-routed,flashqla,fla} ${BENCH_ARGS:-}"
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} --peers ${PEERS:-host-offsets,fla-routed,flashqla} ${BENCH_ARGS:---dense-batch}"
 if has fwd; then
   timeout "$(cap ${FWD_TIMEOUT:-240})" $B --mode fwd --shapes "$FWD_ROWS" --tag H200-fwd \
     --deadline-s "$(cap 200)" > "$R/fwd.txt" 2>&1
