@@ -116,3 +116,16 @@ def test_api_names_cu_seqlens_in_value_errors():
     with pytest.raises(ValueError, match=r"cu_seqlens_cpu must start at 0"):
         flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([1, 90]),
                                          cu_seqlens_cpu=torch.tensor([1, 90]), backend="torch")
+
+
+def test_kept_offsets_never_reads(reads):
+    """kept_offsets answers from the cache only: the copy of this very, unmodified tensor
+    or None (what a capture may use to plan)."""
+    cu = torch.tensor([0, 5, 12])
+    assert offsets.kept_offsets(cu) is cu                 # a host tensor is its own copy
+    fake_device = torch.tensor([0, 5, 12])
+    assert offsets._copies.get(id(fake_device)) is None
+    copy = offsets._kept_copy(fake_device)
+    assert offsets._copies[id(fake_device)][3] is copy and len(reads) == 1
+    fake_device[0] = 0                                    # in place: version bumped
+    assert offsets._copies[id(fake_device)][1] != offsets._version(fake_device)

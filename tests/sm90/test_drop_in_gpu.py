@@ -95,11 +95,13 @@ def test_layers_share_one_read(monkeypatch):
     assert rel_l2(o, o_ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("warm_copy", [True, False], ids=["warm-up-read", "no-host-copy"])
 @pytest.mark.parametrize("case", DROP_IN_CASES[1:], ids=lambda c: c.id)
-def test_captured_training_step_with_device_offsets(case):
+def test_captured_training_step_with_device_offsets(case, warm_copy):
     """Forward with grad + every gradient, varlen, device ``cu_seqlens`` only, captured as
     one CUDA graph: the capture holds (no host read or sync inside), a replay on fresh
-    inputs matches the fp64 recurrence, and the CUDA RNG still works afterwards."""
+    inputs matches the fp64 recurrence, and the CUDA RNG still works afterwards. The
+    split is planned from the warm-up's host copy, or without one (``no-host-copy``)."""
     inp = make_inputs(case, seed=5)
     cu = inp.pop("cu_seqlens")
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inp.items() if t is not None}
@@ -117,6 +119,8 @@ def test_captured_training_step_with_device_offsets(case):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         step()                                           # warm-up off-graph
+        if not warm_copy:
+            offsets.clear_cache()
         with torch.cuda.graph(graph):
             captured = step()
     torch.cuda.current_stream().wait_stream(stream)

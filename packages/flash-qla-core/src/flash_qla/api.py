@@ -266,9 +266,11 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
     inside a CUDA-graph capture. Inside one: only the bounded split, of a dense input, or of a
     varlen batch on a backend that searches its walks in the kernel (``Kernels.searches_walks``; the
     split is then laid out on the device at every replay), whose segment length is planned from
-    ``cu_seqlens_cpu`` (the capture's lengths) or, without it, as if one of its N sequences held
-    nearly all its tokens (the case a split is for; a batch whose sequences x heads fill the GPU
-    stays unsplit).
+    ``cu_seqlens_cpu`` (the capture's lengths), else from the host copy an eager call (a
+    warm-up) kept of the same unmodified tensor (:func:`flash_qla.offsets.kept_offsets`),
+    else as if one of its N sequences held nearly all its tokens (the case a split is for;
+    a batch whose sequences x heads fill the GPU stays unsplit). Any segment length is
+    exact at every replay: only the speed depends on it.
     ``bounded``: the split will be the one-pass bounded one (``fwd_warmup``), else the
     exact one."""
     plan = getattr(kernels, "plan_segment_len", None)
@@ -278,8 +280,12 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
     if validation.is_capturing(q.device):
         if not bounded or (cu_seqlens is not None and not searches_walks(kernels)):
             return None
-        if cu_seqlens is not None and cu_seqlens_cpu is None:     # N known, lengths not
-            N, Tt = cu_seqlens.numel() - 1, B * T
+        if cu_seqlens is not None and cu_seqlens_cpu is None:
+            kept = offsets.kept_offsets(cu_seqlens)    # an eager call's read of this tensor
+            if kept is not None:                       # (a warm-up): its lengths, no sync
+                return plan(host_bounds(B, T, cu_seqlens, kept), v.shape[2], q.shape[3],
+                            v.shape[3], q.device, bounded=True)
+            N, Tt = cu_seqlens.numel() - 1, B * T      # N known, lengths not
             longest = [0, *range(max(Tt - N + 1, 0), Tt + 1)]   # one long, N - 1 of 1 token
             return plan(longest, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=True)
     elif cu_seqlens is not None and cu_seqlens_cpu is None:

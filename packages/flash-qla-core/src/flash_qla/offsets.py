@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["clear_cache", "host_offsets", "read_offsets"]
+__all__ = ["clear_cache", "host_offsets", "kept_offsets", "read_offsets"]
 
 #: How many offsets tensors keep their host copy (most recent first out last).
 CACHE_SIZE = 16
@@ -71,6 +71,20 @@ def _kept_copy(cu_seqlens: torch.Tensor) -> torch.Tensor:
         while len(_copies) > CACHE_SIZE:
             _copies.popitem(last=False)
     return host
+
+
+def kept_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+    """The host copy :func:`read_offsets` kept of this very tensor (same object, version
+    and storage), or None; never reads the device, so it may be asked during a capture
+    (a heuristic's input there, e.g. the split's segment length, never a size)."""
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens
+    kept = _copies.get(id(cu_seqlens))
+    version = _version(cu_seqlens)
+    if (kept is None or version is None or kept[0]() is not cu_seqlens or kept[1] != version
+            or kept[2] != cu_seqlens.data_ptr()):
+        return None
+    return kept[3]
 
 
 def host_offsets(cu_seqlens: torch.Tensor | None,
