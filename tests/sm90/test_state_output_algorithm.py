@@ -36,8 +36,8 @@ def _rows(x: torch.Tensor, t0: int) -> torch.Tensor:
 
 def emulate_cta(q, k, v, g_cumsum, beta, A, h0, scale, bos, seq_len, h, hk):
     """One CTA of chunk_fwd_ws: packed q, k ``[Tt, Hk, K]``, v ``[Tt, Hv, V]``, g_cumsum /
-    beta ``[Tt, Hv]``, A ``[Tt, Hv, C]``, h0 ``[K, V]``. Returns (o rows ``[seq_len, V]``, final state
-    ``[K, V]``, chunk-start states ``[chunks, K, V]``)."""
+    beta ``[Tt, Hv]``, A ``[Tt, Hv, C]``, h0 ``[K, V]``. Returns (o rows ``[seq_len, V]``,
+    final state ``[K, V]``, chunk-start states ``[chunks, K, V]``)."""
     st = h0.T.clone()                                                 # S^T [V, K]
     last = bos + seq_len - 1
     i = torch.arange(C)
