@@ -78,10 +78,10 @@ def static_layout(cu_seqlens: torch.Tensor, num_tokens: int, capturing: bool) ->
     captured them). Built outside any capture and kept on the tensor itself, one per
     token count (a dense input and a padded varlen one can share a plan), so a capture
     reuses it instead of recording the ~15 index kernels of :func:`_build` into the graph
-    (v16: +34 us per replay of a bounded forward). Inside a capture, with no layout kept
-    for the count, it is built uncached: its tensors are the graph's, filled only when
-    it replays, so nothing outside the graph may see them. (A plan first built inside a
-    capture never reaches an eager call: ``segments._plan_for``.)"""
+    (+34 us per replay of a bounded forward, docs/perf-notes.md v16). Inside a capture,
+    with no layout kept for the count, it is built uncached: its tensors are the graph's,
+    filled only when it replays, so nothing outside the graph may see them. (A plan
+    first built inside a capture never reaches an eager call: ``segments._plan_for``.)"""
     kept = getattr(cu_seqlens, _KEPT, None)
     if kept is not None and num_tokens in kept:
         return kept[num_tokens]

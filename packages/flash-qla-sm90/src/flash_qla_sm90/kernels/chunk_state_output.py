@@ -55,7 +55,7 @@ SLOTS = 3
 #: setmaxnreg budgets. They move registers within the CTA's launch allocation (384
 #: threads x 168, ptxas's bound for 384 threads), so 256 x STATE_REGS + 128 x AUX_REGS
 #: must not exceed 64,512: an increase that the decreases cannot cover blocks forever
-#: (the hang of the first version, 208 / 96, asked for 1,024 registers more). At 168
+#: (208 / 96 asks for 1,024 registers more than there are, and hangs). At 168
 #: the state warpgroups' WGMMAs were serialised by ptxas (C7512, "insufficient register
 #: resources"): each 16-deep step waited for the previous one.
 STATE_REGS, AUX_REGS = 208, 88
@@ -231,7 +231,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                 # h_s is written only by the state warpgroups, but TileLang's planner
                 # reuses the bytes of buffers whose last use comes earlier in program
                 # order (the aux block's): a use by every thread before the roles split
-                # keeps it in bytes of its own (v17's race of the output warpgroup); a
+                # keeps it in bytes of its own (else a race: docs/perf-notes.md v17); a
                 # few rows suffice (one element per thread), the sync orders them before
                 # the state's first staged store
                 for i, j in T.Parallel(3, V):
