@@ -108,6 +108,25 @@ def test_kernels_import_only_kernels():
     assert all(not deps for deps in host.values()), host
 
 
+#: The package's layers, bottom up (``flash_qla_sm90/__init__.py`` lists them): a module
+#: imports only modules of layers below its own (``kernels`` modules: also each other).
+LAYERS = ("kernels", "layout", "plan", "launch", "forward", "backward", "precompile",
+          "backend")
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
+
+
+def test_modules_import_only_the_layers_below():
+    graph = import_graph()
+    assert {name.split(".")[1] for name in graph if name != PACKAGE} == set(LAYERS)
+    upward = [(name, dep) for name, deps in graph.items() if name != PACKAGE
+              for dep in deps if _layer(dep) > _layer(name)
+              or (_layer(dep) == _layer(name) and LAYERS[_layer(name)] != "kernels")]
+    assert not upward, upward
+
+
 def test_no_function_level_imports_of_the_package_outside_the_loader():
     """Imports of the package's own modules are at module top, except the loader's in
     ``__init__`` (which keeps ``import flash_qla_sm90`` free of TileLang)."""
