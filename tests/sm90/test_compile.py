@@ -148,13 +148,16 @@ def test_states_only_forward_skips_o():
 
 
 def test_aux_warpgroup_sweep_keeps_ds_in_registers(tmp_path):
-    """chunk_bwd_dh_ws: the dS chain is register-A WGMMAs (dS1^T K^T, dU^T Ag, (E dX)^T
-    K), the roles meet only on the slot mbarriers, the tiles load by TMA, and ptxas
-    spills nothing at its setmaxnreg budgets (the forward's 208 / 88 spilled here)."""
+    """chunk_bwd_dh_ws (the bounded split's, dS1 in q's dtype): the dS chain is
+    register-A WGMMAs (dS1^T K^T, dU^T Ag, (E dX)^T K), the roles meet only on the slot
+    mbarriers (the two CTA-wide barriers come before the roles split: the barriers'
+    initialisation, and the staged dS1 tile's claim on its own bytes), the tiles load by
+    TMA, and ptxas spills nothing at its setmaxnreg budgets (the forward's 208 / 88
+    spilled here)."""
     builder, args = _variant("bwd_dh_ws_warmup_dtype")
     src = _source(builder, *args)
     assert src.count("tl::wgmma_rs<") >= 3
-    assert src.count("__syncthreads()") == 1
+    assert src.count("__syncthreads()") == 2
     assert src.count("].arrive()") == 4      # full, empty, loaded (first chunk's, loop's)
     assert "tma_load" in src and "cp_async" not in src
     assert "warpgroup_reg_alloc<192>" in src and "warpgroup_reg_dealloc<120>" in src
