@@ -1,7 +1,9 @@
 """The sm90 host path on the CPU: every TileLang launch replaced by a no-op, so the torch
 ops a training step issues around its kernels can be counted without a GPU. Each copy
 there is a kernel launch on the GPU (~15 us of host time per launch on the H200 hosts),
-and at 8192 tokens a training step is host-bound (docs/perf-notes.md, v11)."""
+and at 8192 tokens a training step is host-bound (docs/perf-notes.md, v11). The stubs
+also record which kernel variants the host path launches: exactly the shipped ones
+(``flash_qla_sm90.precompile.variants``)."""
 
 from __future__ import annotations
 
