@@ -97,7 +97,7 @@ def _fill_kernel_cache(session: nox.Session) -> None:
     session.install(CPU_TORCH)
     session.install("-e", "packages/flash-qla-core", "-e", "packages/flash-qla-sm90")
     cache = ROOT / "packages/flash-qla-sm90/src/flash_qla_sm90/kernel_cache"
-    session.run("python", "-m", "flash_qla_sm90.kernels.kernel_cache", str(cache))
+    session.run("python", "-m", "flash_qla_sm90.precompile", str(cache))
 
 
 @nox.session

@@ -1,12 +1,12 @@
 """Fit the segment-split cost model of the sm90 planner from benchmark results.
 
-``forward.plan_segment_len`` (issue 6) predicts a split's time from the fitted fused
-and prepare costs plus constants kept in ``flash_qla_sm90.kernels.traits``; this
+``flash_qla_sm90.plan.segment_len`` (issue 6) predicts a split's time from the fitted
+recurrence and prepare costs plus constants kept in ``flash_qla_sm90.plan``; this
 script refits those constants from ``bench_gated_delta_rule.py`` result files (JSON,
 e.g. the ``seg`` / ``fla`` stages of ``tools/h200_session.sh``):
 
-- ``--exact FILE...``: rows of the exact split (three fused passes + a scan).
-  ``measured - 3 x fused(pieces) - prepare(pieces) = steps x SEGMENT_SCAN_STEP_US +
+- ``--exact FILE...``: rows of the exact split (three passes + a scan).
+  ``measured - 3 x recurrence(pieces) - prepare(pieces) = steps x SEGMENT_SCAN_STEP_US +
   SEGMENT_FIXED_US``, least squares over the rows.
 - ``--bounded FILE...``: rows of the bounded split (one warm-up pass). Eager calls
   there are host-bound, so ``WARMUP_HOST_US`` is the median measured time of the rows
@@ -39,13 +39,12 @@ for pkg in ("flash-qla-core", "flash-qla-sm90"):                  # a source che
 import common as C  # noqa: E402
 
 SM_COUNT = 132          # the H200 the results come from
-K = V = 128
 
 
 def _rows(path: str, bounded: bool) -> list[dict]:
     """Our ok rows of one result file, each with its segment length (``seg``),
     sequence lengths (``lens``) and measured ``us``."""
-    from flash_qla_sm90.kernels import forward
+    from flash_qla_sm90 import plan
 
     with open(path) as f:
         data = json.load(f)
@@ -59,8 +58,8 @@ def _rows(path: str, bounded: bool) -> list[dict]:
             continue
         shape = C.select_shapes(r["shape"].split(":", 1)[1], ["fwd"], C.forward_grid())[0]
         bounds = [0, *[sum(shape.seqlens[:i + 1]) for i in range(len(shape.seqlens))]]
-        seg = int(forced) if forced else forward.plan_segment_len(
-            bounds, shape.hv, K, V, SM_COUNT, bounded=bounded)
+        seg = int(forced) if forced else plan.segment_len(
+            bounds, shape.hv, SM_COUNT, bounded=bounded).value
         if seg:
             rows.append({"shape": r["shape"].split(":", 1)[1], "hv": shape.hv,
                          "lens": shape.seqlens, "seg": seg, "us": r["eager_ms"] * 1e3,
@@ -85,16 +84,15 @@ def fit_exact(rows: list[dict]) -> tuple[float, float]:
 
 def _exact_terms(rows: list[dict]) -> None:
     """x = scan steps, y = measured minus the passes the model already prices."""
-    from flash_qla_sm90.kernels import forward
+    from flash_qla_sm90 import plan
 
     for r in rows:
         r["x"] = -(-max(r["lens"]) // r["seg"])
-        r["y"] = r["us"] - forward.exact_passes_us(r["lens"], r["hv"], K, V, SM_COUNT,
-                                                   r["seg"])
+        r["y"] = r["us"] - plan.exact_passes_us(r["lens"], r["hv"], SM_COUNT, r["seg"])
 
 
 def main(argv=None) -> int:
-    from flash_qla_sm90.kernels import forward, traits
+    from flash_qla_sm90 import plan
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,11 +109,11 @@ def main(argv=None) -> int:
         print(C.format_table(table, ["shape", "segment", "steps", "measured us",
                                      "residual us", "file"]))
         print(f"exact split: SEGMENT_SCAN_STEP_US = {step:.1f}, SEGMENT_FIXED_US = "
-              f"{fixed:.0f}  (traits: {traits.SEGMENT_SCAN_STEP_US}, "
-              f"{traits.SEGMENT_FIXED_US})")
+              f"{fixed:.0f}  (plan: {plan.SEGMENT_SCAN_STEP_US}, "
+              f"{plan.SEGMENT_FIXED_US})")
     if bounded:
         for r in bounded:
-            r["gpu"] = forward.bounded_gpu_us(r["lens"], r["hv"], r["seg"])
+            r["gpu"] = plan.bounded_gpu_us(r["lens"], r["hv"], r["seg"])
         table = [[r["shape"], r["seg"], f"{r['us']:.0f}", f"{r['gpu']:.0f}", r["file"]]
                  for r in bounded]
         print(C.format_table(table, ["shape", "segment", "measured us",
@@ -123,7 +121,7 @@ def main(argv=None) -> int:
         host = [r["us"] for r in bounded if r["gpu"] < r["us"]]
         floor = statistics.median(host) if host else None
         print(f"bounded split: WARMUP_HOST_US = {floor if floor is None else round(floor)}"
-              f"  (traits: {traits.WARMUP_HOST_US}; median of the {len(host)} rows "
+              f"  (plan: {plan.WARMUP_HOST_US}; median of the {len(host)} rows "
               f"slower than their predicted GPU time)")
     if not exact and not bounded:
         print("no split rows of ours in the given files", file=sys.stderr)

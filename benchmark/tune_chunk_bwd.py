@@ -31,10 +31,9 @@ def run_shape(shape, args):
     from tune_chunk_fwd import bench
 
     import flash_qla
-    from flash_qla_sm90.kernels.backward import chunk_states, pack, state_grads
-    from flash_qla_sm90.kernels.chunk_bwd_fused import fused_grads
-    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_grads
-    from flash_qla_sm90.kernels.forward import host_chunks, waves
+    from flash_qla_sm90.backward import chunk_grads, chunk_states, fused_grads, pack, state_grads
+    from flash_qla_sm90.layout import host_chunks
+    from flash_qla_sm90.plan import waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -47,11 +46,10 @@ def run_shape(shape, args):
     common = dict(scale=scale, cu_seqlens=cu, cu_seqlens_cpu=inp["cu_seqlens_cpu"])
     p = pack(q, k, v, g_cumsum, beta, A, do, cu)
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, packed=p,
-                     **common).to(q.dtype)
+                     **common)                                       # in q's dtype
 
     def two_kernels():
-        dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p,
-                               ds1_in_dtype=True, **common)
+        dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p, **common)
         return (*chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, packed=p, **common),
                 dh0)
 
@@ -63,7 +61,7 @@ def run_shape(shape, args):
     ms_base, ms_fused = bench(two_kernels), bench(fused)
     chunks = host_chunks(inp["cu_seqlens_cpu"])              # per sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rounds = waves(len(chunks), v.shape[2], 128, sms, 128)   # one CTA per (walk, head)
+    rounds = waves(len(chunks), v.shape[2], sms)             # one CTA per (walk, head)
     longest = max(chunks)
     return [shape.label, len(chunks) * v.shape[2], f"{err:.1e}", ms_base, ms_fused,
             round(ms_base / ms_fused, 2), round(ms_fused * 1e3 / (rounds * longest), 2)]

@@ -144,33 +144,28 @@ def test_static_unsupported_rules():
     assert C.gpu_tag("NVIDIA H200") == "H200"
 
 
-def test_tune_help_and_tiling_parser():
+def test_tune_help():
     p = _run([TUNE, "--help"], timeout=60)
     assert p.returncode == 0, p.stderr
-    for opt in ("--tilings", "--shapes", "--compile-only", "--cache-dir"):
+    for opt in ("--shapes", "--compile-only", "--cache-dir"):
         assert opt in p.stdout
+
+
+def test_tune_fits_the_forward_cost_model():
+    """The per-kernel median of "us/unit" over uniform-length shapes (varlen rows left
+    out) is what ``flash_qla_sm90.plan``'s FWD_CHUNK_US and PREPARE_US_PER_CHUNK_HEAD
+    hold."""
     sys.path.insert(0, os.path.dirname(TUNE))
     import tune_chunk_fwd
 
-    assert tune_chunk_fwd.parse_tiling("64x256") == (64, 256)
-    assert tune_chunk_fwd.parse_tiling("32x128x3") == (32, 128, 3)
-    with pytest.raises(Exception, match="BLOCK_VxTHREADS"):
-        tune_chunk_fwd.parse_tiling("64")
-
-
-def test_tune_fits_the_tiling_cost_model():
-    """The per-BLOCK_V median of "us/chunk" over uniform-length shapes (varlen and
-    prepare rows left out) is what traits.FWD_CHUNK_US holds."""
-    sys.path.insert(0, os.path.dirname(TUNE))
-    import tune_chunk_fwd
-
-    rows = [["2/8 1x32768", "prepare", "", 0.11, ""],
-            ["2/8 1x32768", "64x256", "3.2e-03", 2.89, 5.65],
-            ["16/16 4x8192", "64x256", "3.4e-03", 0.69, 5.37],
-            ["16/64 1x32768", "64x256", "3.4e-03", 2.74, 5.35],
-            ["2/8 1x32768", "128x256", "3.2e-03", 4.71, 9.2],
-            ["16/32 varlen-a (8 seqs)", "128x256", "3.4e-03", 1.6, 25.0]]
-    assert tune_chunk_fwd.fit_chunk_us(rows) == {64: 5.37, 128: 9.2}
+    rows = [["2/8 1x32768", "prepare", "1.1e-03", 0.07, 0.0167],
+            ["16/16 4x8192", "prepare", "1.1e-03", 0.13, 0.0153],
+            ["16/64 1x32768", "prepare", "1.1e-03", 0.5, 0.0159],
+            ["2/8 1x32768", "ws", "3.2e-03", 1.97, 3.85],
+            ["16/16 4x8192", "ws", "3.4e-03", 0.5, 3.72],
+            ["16/32 varlen-a (8 seqs)", "ws", "3.4e-03", 1.6, 25.0]]
+    assert tune_chunk_fwd.fit_costs(rows) == {"FWD_CHUNK_US": 3.79,
+                                              "PREPARE_US_PER_CHUNK_HEAD": 0.0159}
 
 
 @needs_ours

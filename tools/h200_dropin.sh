@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the drop-in work (fits the 10-minute limit). Stages (STAGES="..."):
-#   compile  every default sm90 kernel into the writable cache (14 processes, ~2 min on a
+#   compile  every shipped sm90 kernel into the writable cache (14 processes, ~1-2 min on a
 #            fresh H200 host; cache hits from a carried .offline-gpu/tilelang-cache.tar.xz)
 #   tests    pytest -m gpu on TEST_PATHS (default: all of tests/)
 #   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes; default: README's rows) with
@@ -23,7 +23,7 @@ export TILELANG_CACHE_DIR=$CACHE
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if has compile; then
   start=$SECONDS
-  timeout "$(cap 300)" python3 -m flash_qla_sm90.kernels.kernel_cache "$CACHE" --jobs 14 \
+  timeout "$(cap 300)" python3 -m flash_qla_sm90.precompile "$CACHE" --jobs 14 \
     > "$R/compile.txt" 2>&1
   echo "compile: rc=$? $((SECONDS - start)) s: $(tail -1 "$R/compile.txt")"
 fi

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call (fits the 10-minute limit). Stages, chosen with STAGES="...":
-#   smoke     one short run of SMOKE_TILINGS (default ws) and every prepare kernel with
-#             tune_chunk_fwd.py under SMOKE_TIMEOUT (default 60 s); if it fails (a hang, a
+#   smoke     one short run of the forward's two kernels with tune_chunk_fwd.py under
+#             SMOKE_TIMEOUT (default 60 s); if it fails (a hang, a
 #             fault), every later stage is skipped (they all run the default kernels), so
 #             a broken kernel costs a minute instead of the call
 #   tests     pytest -m gpu (forward, backward, segments), TEST_FILTER (-k) selecting
-#   dh        the chunk_bwd_dh sweep check (isolated: it is the slowest)
-#   tune      benchmark/tune_chunk_fwd.py: every prepare kernel + every tiling, checked and timed
+#   dh        the reverse-sweep kernel check (isolated: it is the slowest)
+#   tune      benchmark/tune_chunk_fwd.py: the prepare and the recurrence, checked and timed
 #   bwd       forward+backward timings of ours and BWD_PEERS (bench --mode bwd), once per
 #             BWD_SEG_LENS (default "auto"; "off" / lengths as in seg)
 #   fwd       forward timings of ours, eager and graphed (bench --mode fwd)
@@ -29,7 +29,7 @@
 #             HOST_TRACE (any non-empty value): the torch profiler's timelines too
 #             (trace-<impl>/*.json.gz)
 #   ncu       Nsight Compute warp-stall breakdown of one launch of NCU_KERNEL (a regex,
-#             default chunk_fwd) at NCU_TILING (default 64x256) on NCU_SHAPE (if ncu exists);
+#             default chunk_fwd: the recurrence) on NCU_SHAPE (if ncu exists);
 #             NCU_SOURCE=1 adds the stall samples per SASS instruction (ncu-sass.csv);
 #             NCU_WORKLOAD: another command to profile (e.g. profile/profile_gdr.py on a
 #             backward shape, for NCU_KERNEL=chunk_bwd_intra)
@@ -68,7 +68,7 @@ FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/pe
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --no-graphs $FQ ${FLA_TUNING:+--fla-tuning $FLA_TUNING} ${WORKER_PER:+--worker-per $WORKER_PER} ${MIN_SEQ_HEADS:+--min-seq-heads $MIN_SEQ_HEADS} ${MAX_SEQ_HEADS:+--max-seq-heads $MAX_SEQ_HEADS}"
 if has smoke; then
   if ! timeout "$(cap "${SMOKE_TIMEOUT:-60}")" python3 benchmark/tune_chunk_fwd.py \
-      --tilings "${SMOKE_TILINGS:-ws}" --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
+      --shapes 2/8@1x2048 > "$R/smoke.txt" 2>&1; then
     echo "smoke failed: skipping the stages after it ($STAGES)" | tee -a "$R/smoke.txt"
     STAGES=""
   fi
@@ -140,7 +140,7 @@ if has ncu; then
       --section Occupancy --section ComputeWorkloadAnalysis --section SpeedOfLight \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
       ${NCU_SOURCE:+--section SourceCounters --import-source no -o "$R/ncu-report"} \
-      ${NCU_WORKLOAD:-python3 benchmark/tune_chunk_fwd.py --tilings "${NCU_TILING:-64x256}" \
+      ${NCU_WORKLOAD:-python3 benchmark/tune_chunk_fwd.py \
       --shapes "${NCU_SHAPE:-2/8@1x8192}"} \
       > "$R/ncu.txt" 2>&1
     if [ -n "${NCU_SOURCE:-}" ] && [ -f "$R/ncu-report.ncu-rep" ]; then   # per-SASS stalls

@@ -56,7 +56,7 @@ class _Recorder:
         functools.update_wrapper(self, builder)
 
     def __call__(self, *static):
-        from flash_qla_sm90.kernels.launch import _direct
+        from flash_qla_sm90.launch import _direct
 
         kernel = _direct(self.builder(*static))            # what the launcher would call
 
@@ -134,13 +134,12 @@ def main() -> None:
     impl.load(ctx)
     recorders = {}
     if args.impl == "ours" and not (args.backward or args.fwd_bwd):
-        from flash_qla_sm90.kernels import forward
-        from flash_qla_sm90.kernels.launch import launcher
+        from flash_qla_sm90 import forward
+        from flash_qla_sm90.launch import launcher
 
         recorders["ws"] = forward.chunk_fwd_ws_kernel = _Recorder(forward.chunk_fwd_ws_kernel)
-        name = forward.prepare_kernel_name()
-        recorders["prepare"] = forward.PREPARE_KERNELS[name] = _Recorder(
-            forward.PREPARE_KERNELS[name])
+        recorders["prepare"] = forward.chunk_prepare_blocked_kernel = _Recorder(
+            forward.chunk_prepare_blocked_kernel)
     rows, profiles = [], {}
     grads = args.backward or args.fwd_bwd
     for spec in args.shapes.split(","):

@@ -13,8 +13,8 @@ instruction once per thread, so the static count is also the per-thread work; lo
 nvdisasm is not part of the CUDA toolkit's nvcc wheel: ``pip install
 nvidia-cuda-nvdisasm`` (or pass ``--nvdisasm``). Usage, repo root::
 
-    python3 tools/sass_report.py chunk_bwd_intra chunk_bwd_intra_kernel bfloat16 128 128 \\
-        True True --top 25 [--save-cuda kernel.cu]
+    python3 tools/sass_report.py chunk_input_grads chunk_bwd_intra_kernel bfloat16 128 128 \\
+        --top 25 [--save-cuda kernel.cu]
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def parse(sass: str, source_name: str) -> tuple[collections.Counter, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("module", help="kernel module of flash_qla_sm90.kernels, e.g. chunk_bwd_intra")
+    ap.add_argument("module",
+                    help="kernel module of flash_qla_sm90.kernels, e.g. chunk_input_grads")
     ap.add_argument("builder", help="its kernel builder, e.g. chunk_bwd_intra_kernel")
     ap.add_argument("args", nargs="*", help="the builder's static arguments (Python literals "
                     "or bare strings: bfloat16 128 128 True)")

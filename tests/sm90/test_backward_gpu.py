@@ -4,6 +4,7 @@ dbeta, dg < 2e-2 (relative L2)."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -82,7 +83,7 @@ BOUNDED_BWD_CASES = [
                          ids=[f"{c.id}-seg{s}" for c, s in BOUNDED_BWD_CASES])
 def test_bounded_split_gradients_match_recurrence(case, segment_len):
     """The bounded split's backward (chunk states by the warm-up forward, dS by
-    chunk_bwd_dh's reverse warm-up walks) against autograd through the fp64 recurrence,
+    the sweep's reverse warm-up walks) against autograd through the fp64 recurrence,
     and against the unsplit backward on the same inputs."""
     inp = make_inputs(case, seed=4)
     ours, do, dht = _grads(inp, segment_len=segment_len)
@@ -108,11 +109,11 @@ def test_kept_chunk_states_give_the_recomputed_gradients(case, segment_len, monk
     stored (chunk_fwd_ws with o and h in q's dtype) and recomputes nothing; its
     gradients equal, bitwise, those of ``save_chunk_states=False`` (the states-only
     recompute runs the same state chain)."""
-    from flash_qla_sm90.kernels import backward
+    from flash_qla_sm90 import backward
 
     recomputes = []
-    real = backward._fused
-    monkeypatch.setattr(backward, "_fused",
+    real = backward.state_output
+    monkeypatch.setattr(backward, "state_output",
                         lambda *a, **kw: (recomputes.append(1), real(*a, **kw))[1])
     inp = make_inputs(case, seed=5)
     kwargs = {"auto_cp": False} if segment_len is None else {"segment_len": segment_len}
@@ -135,16 +136,17 @@ def test_bounded_training_step_inside_graph_capture(monkeypatch, fused):
     recurrence. ``fused``: the backward's kernels are the boundary sweep and
     ``chunk_bwd_fused`` (forced: at this size the cost model keeps the two kernels)."""
     from flash_qla import api
-    from flash_qla_sm90.kernels import chunk_bwd_fused, traits
+    from flash_qla_sm90 import backward
 
     case = Case(1, 8192, 2, 4)                       # the planner splits it (512 tokens)
     bounded, fused_runs = [], []
     real = api.warmup_bwd
     monkeypatch.setattr(api, "warmup_bwd", lambda *a, **kw: (bounded.append(1),
                                                              real(*a, **kw))[1])
-    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0 if fused else 1e9)
-    real_fused = chunk_bwd_fused.fused_grads
-    monkeypatch.setattr(chunk_bwd_fused, "fused_grads", lambda *a, **kw: (
+    monkeypatch.setattr(backward, "chunk_bwd_warmup",
+                        functools.partial(backward.chunk_bwd_warmup, fused=fused))
+    real_fused = backward.fused_grads
+    monkeypatch.setattr(backward, "fused_grads", lambda *a, **kw: (
         fused_runs.append(1), real_fused(*a, **kw))[1])
     leaves = {n: t.detach().clone().requires_grad_(True)
               for n, t in make_inputs(case, seed=3).items() if n != "cu_seqlens"}
@@ -209,34 +211,34 @@ def test_nan_padding_never_reaches_valid_gradients(case):
         assert torch.equal(bad_rows, torch.zeros_like(bad_rows)), name
 
 
-@pytest.mark.parametrize("aux_warpgroup", [True, False], ids=["dh_ws", "dh"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12], BWD_CASES[1]],
                          ids=lambda c: c.id)
-def test_dh_kernel_matches_torch_sweep(case, aux_warpgroup, monkeypatch):
-    """Each reverse-sweep kernel (``chunk_bwd_dh_ws``, ``chunk_bwd_dh``: traits.
-    BWD_DH_AUX_WARPGROUP) against the batched PyTorch sweep (traits.BWD_DH_KERNEL)."""
-    from flash_qla_sm90.kernels import traits
-    from flash_qla_sm90.kernels.backward import chunk_bwd
-
-    monkeypatch.setattr(traits, "BWD_DH_AUX_WARPGROUP", aux_warpgroup)
+def test_dh_kernel_matches_torch_sweep(case):
+    """The reverse-sweep kernel (``chunk_bwd_dh_ws``, through the two-kernel backward)
+    against the batched PyTorch sweep of the chunk-parallel backward given the same chunk
+    states: every gradient and dh0."""
+    from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
+    from flash_qla_sm90.backward import chunk_bwd, chunk_states
 
     inp = make_inputs(case, seed=6)
     g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
     do, dht = torch.randn_like(o), torch.randn_like(final)
-    kw = dict(dht=dht, scale=128 ** -0.5, initial_state=inp["initial_state"],
-              cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
+    common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
     args = (inp["q"], inp["k"], inp["v"], g_cumsum, inp["beta"], A, do)
-    with_kernel = chunk_bwd(*args, **kw, use_dh_kernel=True)
-    with_torch = chunk_bwd(*args, **kw, use_dh_kernel=False)
+    h0 = inp["initial_state"]
+    with_kernel = chunk_bwd(*args, dht=dht, initial_state=h0, fused=False, **common)
+    h = chunk_states(*args[:6], initial_state=h0, **common)
+    with_torch = chunk_gated_delta_rule_bwd_parallel(*args, h.float(), dht=dht,
+                                                     initial_state=h0, **common)
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), with_kernel, with_torch):
-        if b is None:
+        if h0 is None and name == "dh0":
             assert a is None, name
         else:
             assert rel_l2(a.float(), b.float()) < 1e-2, name
 
 
-#: Hv = Hk cases: chunk_bwd_intra writes dq / dk in q's dtype there (fp16; varlen with
-#: an empty sequence, length-1 ones and padding)
+#: Hv = Hk cases: no GVA sum after chunk_bwd_intra (fp16; varlen with an empty
+#: sequence, length-1 ones and padding)
 SAME_HEAD_CASES = [Case(2, 1000, 4, 4, dtype=torch.float16),
                    _varlen([1, 63, 0, 75, 130, 1], 2, 2, pad=37)]
 
@@ -247,10 +249,11 @@ _INTRA_CASES = [CASES[0], CASES[11], CASES[12], BWD_CASES[1], CASES[8], *SAME_HE
 def swept_problem(case, seed: int = 6) -> SimpleNamespace:
     """A case after the forward, with random dO and dht, for the kernel-level gradient
     tests: ``args`` (q, k, v, g_cumsum, beta, A, dO), ``common`` (scale, cu_seqlens), the
-    fp32 chunk states ``h`` and the sweep kernel's ``dS1``, ``dh0``, ``dht``, and ``ref``:
-    the chunk-parallel PyTorch gradients given those states."""
+    chunk states ``h`` (recomputed by the forward kernel) and the sweep kernel's ``dS1``,
+    both in q's dtype, its ``dh0``, ``dht``, and ``ref``: the chunk-parallel PyTorch
+    gradients given those states."""
     from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
-    from flash_qla_sm90.kernels.backward import chunk_states, state_grads
+    from flash_qla_sm90.backward import chunk_states, state_grads
 
     inp = make_inputs(case, seed=seed)
     g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
@@ -260,28 +263,21 @@ def swept_problem(case, seed: int = 6) -> SimpleNamespace:
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
     args = (q, k, v, g_cumsum, beta, A, do)
-    ref = chunk_gated_delta_rule_bwd_parallel(*args, h, dht=dht, initial_state=h0,
-                                              dS1=dS1, dh0=dh0, **common)
+    ref = chunk_gated_delta_rule_bwd_parallel(*args, h.float(), dht=dht, initial_state=h0,
+                                              dS1=dS1.float(), dh0=dh0, **common)
     return SimpleNamespace(args=args, common=common, h=h, dS1=dS1, dh0=dh0, dht=dht,
                            ref=ref)
 
 
-@pytest.mark.parametrize(("case", "states"),
-                         [(c, "fp32") for c in _INTRA_CASES]
-                         + [(c, "dtype") for c in (CASES[0], SAME_HEAD_CASES[1], CASES[8])],
-                         ids=lambda x: getattr(x, "id", x))
-def test_intra_kernel_matches_torch_chunk_grads(case, states):
+@pytest.mark.parametrize("case", _INTRA_CASES, ids=lambda c: c.id)
+def test_intra_kernel_matches_torch_chunk_grads(case):
     """The chunk_bwd_intra kernel (``chunk_grads``) against the chunk-parallel PyTorch
-    gradients given the same h and dS1 (fp32): relative L2 < 1e-2 for dq, dk, dv and
-    < 2e-2 for dbeta, dg; same dtypes and shapes (dq / dk in q's dtype from the kernel
-    itself where Hv = Hk). ``states`` "dtype": the kernel gets h and dS1 rounded to q's
-    dtype (the bounded backward's, ``traits.BWD_STATES_IN_DTYPE``)."""
-    from flash_qla_sm90.kernels.chunk_bwd_intra import chunk_grads
+    gradients given the same h and dS1 (in q's dtype): relative L2 < 1e-2 for dq, dk, dv
+    and < 2e-2 for dbeta, dg; same dtypes and shapes."""
+    from flash_qla_sm90.backward import chunk_grads
 
     x = swept_problem(case)
-    dt = x.args[0].dtype
-    kernel_states = (x.h, x.dS1) if states == "fp32" else (x.h.to(dt), x.dS1.to(dt))
-    ours = chunk_grads(*x.args, *kernel_states, **x.common)
+    ours = chunk_grads(*x.args, x.h, x.dS1, **x.common)
     tol = {"dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dbeta": 2e-2, "dg": 2e-2}
     for name, a, b in zip(tol, ours, x.ref[:5]):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -295,14 +291,14 @@ def test_group_sum_kernel_matches_fp64_sum(G, M, dtype):
     sum over the group of the same inputs: within one rounding of the result to
     ``dtype`` (it accumulates in fp32), M not a multiple of its 32-row tile, and
     deterministic."""
-    from flash_qla_sm90.kernels.chunk_bwd_intra import _sum_groups
+    from flash_qla_sm90.backward import sum_groups
 
     gen = torch.Generator(device="cuda").manual_seed(G * 1000 + M)
     x = torch.randn(G, M, 3, 128, device="cuda", generator=gen).to(dtype)   # [G, Tt, Hk, K]
-    got = _sum_groups(x)
+    got = sum_groups(x)
     want = x.double().sum(dim=0)
     assert got.dtype == dtype and got.shape == (M, 3, 128)
     eps = torch.finfo(dtype).eps
     assert torch.all((got.double() - want).abs() <= eps * want.abs() + 1e-5), \
         (got.double() - want).abs().max()
-    assert torch.equal(got, _sum_groups(x))
+    assert torch.equal(got, sum_groups(x))

@@ -6,6 +6,8 @@ dq, dk, dv, dh0 < 1e-2, dbeta, dg < 2e-2, relative L2); NaN fails every comparis
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -31,16 +33,26 @@ FUSED_CASES = [*BWD_CASES, CASES[1], CASES[8], *SAME_HEAD_CASES]
 
 
 def _force_fused(monkeypatch, on: bool = True) -> list:
-    """The backward takes the fused kernel wherever it can (``backward.fused_pays``
-    would leave these small grids to the two kernels), or never. Returns the list every
-    run of ``fused_grads`` appends to, so a test can check which path ran."""
-    from flash_qla_sm90.kernels import chunk_bwd_fused, traits
+    """Both backwards take the fused kernel (``plan.fused_backward`` would leave these
+    small grids to the two kernels), or never. Returns the list every run of
+    ``fused_grads`` appends to, so a test can check which path ran."""
+    from flash_qla_sm90 import backward
 
-    monkeypatch.setattr(traits, "BWD_FUSED", on)
-    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0)
-    runs, real = [], chunk_bwd_fused.fused_grads
-    monkeypatch.setattr(chunk_bwd_fused, "fused_grads",
-                        lambda *a, **kw: (runs.append(kw["dht"] is not None), real(*a, **kw))[1])
+    for name in ("chunk_bwd", "chunk_bwd_warmup"):
+        planned = getattr(backward, name)
+        planned = getattr(planned, "planned", planned)
+        forced = functools.partial(planned, fused=on)
+        forced.planned = planned
+        monkeypatch.setattr(backward, name, forced)
+    runs = []
+    real = getattr(backward.fused_grads, "real", backward.fused_grads)
+
+    def spy(*a, **kw):
+        runs.append(kw["dht"] is not None)
+        return real(*a, **kw)
+
+    spy.real = real
+    monkeypatch.setattr(backward, "fused_grads", spy)
     return runs
 
 
@@ -50,13 +62,13 @@ def _errors(ours, ref, names):
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
 def test_fused_kernel_matches_torch_chunk_grads(case):
-    """``fused_grads`` (h in q's dtype, as the unsplit backward keeps it) against the
-    chunk-parallel PyTorch gradients and sweep given the fp32 states: every gradient and
+    """``fused_grads`` (h in q's dtype, as the backward keeps it) against the
+    chunk-parallel PyTorch gradients and sweep given the same states: every gradient and
     dh0, same shapes and dtypes."""
-    from flash_qla_sm90.kernels.chunk_bwd_fused import fused_grads
+    from flash_qla_sm90.backward import fused_grads
 
     x = swept_problem(case)
-    ours = fused_grads(*x.args, x.h.to(x.args[0].dtype), dht=x.dht, **x.common)
+    ours = fused_grads(*x.args, x.h, dht=x.dht, **x.common)
     ref = (*x.ref[:5], x.dh0)
     names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
     tol = dict(zip(names, (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)))

@@ -116,6 +116,42 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
     return dq[:rows], dk[:rows], dx[:rows], dbeta[:rows], dg[:rows]
 
 
+def reverse_sweep(q, k, do, g_cumsum, beta, A, dht, scale, bounds):
+    """``(dS1 [NT,Hv,K,V], dh0 [N,Hv,K,V])``: the reverse state-gradient sweep in fp64
+    (gdn-math.md, "Backward of one chunk"), one (sequence, value head) at a time, as
+    realistic state gradients for the per-chunk algorithm."""
+    Hk, Hv = q.shape[1], do.shape[1]
+    K, V = q.shape[-1], do.shape[-1]
+    N = len(bounds) - 1
+    counts = [-(-(bounds[n + 1] - bounds[n]) // C) for n in range(N)]
+    offsets = [sum(counts[:n]) for n in range(N + 1)]
+    dS1 = q.new_zeros(offsets[-1], Hv, K, V)
+    dh0 = q.new_zeros(N, Hv, K, V)
+    i = torch.arange(C)
+    for n in range(N):
+        bos, seq_len = bounds[n], bounds[n + 1] - bounds[n]
+        for h in range(Hv):
+            hk = h // (Hv // Hk)
+            dS = dht[n, h].clone() if dht is not None else q.new_zeros(K, V)
+            for c in reversed(range(counts[n])):
+                t0, rows = bos + c * C, min(seq_len - c * C, C)
+                q_c, k_c = _rows(q[:, hk], t0), _rows(k[:, hk], t0)          # [C,K]
+                do_c, A_c = _rows(do[:, h], t0), _rows(A[:, h], t0)          # [C,V], [C,C]
+                gam = g_cumsum[t0 + torch.clamp(i, max=rows - 1), h]         # [C]
+                b = torch.where(i < rows, _rows(beta[:, h], t0), 0.0)        # [C]
+                dS1[offsets[n] + c, h] = dS
+                live = (i[:, None] >= i[None, :]) & (i[:, None] < rows)      # [C,C]
+                decay = torch.exp(torch.clamp(gam[:, None] - gam[None, :], max=0))
+                P = torch.where(live, (q_c @ k_c.T) * decay, 0.0)            # [C,C]
+                Ag = torch.where(live, A_c * decay * b[None, :], 0.0)        # [C,C]
+                edo = torch.where((i < rows)[:, None], do_c * gam.exp()[:, None] * scale, 0.0)
+                du = scale * (P.T @ do_c) + (gam[-1] - gam).exp()[:, None] * (k_c @ dS)
+                edx = -gam.exp()[:, None] * (Ag.T @ du)                      # [C,V]
+                dS = gam[-1].exp() * dS + q_c.T @ edo + k_c.T @ edx          # [K,V]
+            dh0[n, h] = dS
+    return dS1, dh0
+
+
 def emulate_chunk_bwd_intra(q, k, v, do, g_cumsum, beta, A, h, dS1, scale, bounds,
                             rnd=lambda t: t):
     """The whole kernel on packed tensors: per-value-head outputs ``dq, dk [Tt, Hv, K]``,
@@ -274,10 +310,9 @@ def test_bf16_operand_rounding_within_gpu_tolerance(gate):
     """Precision budget: the algorithm with every shared-memory operand rounded to bf16
     (inputs bf16 too, as on the GPU; accumulation exact) against the exact algorithm on
     the same inputs, with realistic chunk states (the torch forward's h) and state
-    gradients (the chunk_bwd_dh algorithm's dS1). Must stay at half the GPU test's
+    gradients (:func:`reverse_sweep`'s dS1). Must stay at half the GPU test's
     tolerances, leaving room for fp32 accumulation and exp2f."""
     from flash_qla.reference import chunk_gated_delta_rule_fwd_torch
-    from tests.sm90.test_bwd_dh_algorithm import emulate_bwd_dh
 
     gen = torch.Generator().manual_seed(3)
     lens, Hk, Hv, K, V = [300, 37, 130], 1, 2, 128, 128
@@ -305,8 +340,8 @@ def test_bf16_operand_rounding_within_gpu_tolerance(gate):
         output_final_state=False, output_h=True)
     g_cumsum, A, h = g_cumsum.float().double(), _bf16(A), h[0].float().double()
     packed = [t[0] for t in (q, k, v, do, g_cumsum, beta, A)]
-    dS1, _ = emulate_bwd_dh(packed[0], packed[1], packed[3], packed[4], packed[5],
-                            packed[6], dht, scale, bounds)
+    dS1, _ = reverse_sweep(packed[0], packed[1], packed[3], packed[4], packed[5],
+                           packed[6], dht, scale, bounds)
     dS1 = dS1.float().double()
     exact = emulate_chunk_bwd_intra(*packed, h, dS1, scale, bounds)
     rounded = emulate_chunk_bwd_intra(*packed, h, dS1, scale, bounds, rnd=_bf16)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_qla.utils import prepare_chunk_indices, prepare_chunk_offsets
-from flash_qla_sm90.kernels.chunk_layout import dense_layout, varlen_layout
+from flash_qla_sm90.layout import dense_layout, varlen_layout
 
 CU_SEQLENS = {
     "empty-first": [0, 0, 64],
@@ -38,7 +38,7 @@ def test_dense_layout_is_b_sequences_of_t():
 
 
 def test_uncached_builders_exist_for_graph_capture():
-    """forward.layout_for uses them while a CUDA graph is being captured."""
+    """layout_for uses them while a CUDA graph is being captured."""
     cu = torch.tensor([0, 5, 70], dtype=torch.int32)
     fresh = varlen_layout.__wrapped__(cu, 70)
     assert fresh is not varlen_layout.__wrapped__(cu, 70)
@@ -50,7 +50,7 @@ def test_static_layout_is_kept_per_token_count_and_never_replaced():
     """A static offsets tensor keeps one layout per token count (a dense input and a
     padded varlen one share a plan), and a later count never replaces an earlier one
     (a graph may read it); a layout built while capturing is not kept."""
-    from flash_qla_sm90.kernels.chunk_layout import static_layout
+    from flash_qla_sm90.layout import static_layout
 
     cu = torch.tensor([0, 300, 640], dtype=torch.int32)
     first = static_layout(cu, 640, capturing=False)

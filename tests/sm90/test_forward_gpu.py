@@ -130,32 +130,6 @@ def _check_with_states(case: Case, inp: dict) -> None:
         assert torch.equal(o[:, -case.pad:], torch.zeros_like(o[:, -case.pad:]))
 
 
-# Grids that fit one wave at the narrow tiling (N * Hv * V / 32 <= 132): dense, GVA,
-# varlen with empty / length-1 / tail chunks and padding, fp16, strong gates.
-NARROW_CASES = [CASES[0], CASES[1], CASES[4], CASES[7], CASES[8], CASES[9], CASES[11],
-                CASES[14]]
-# Grids of more than one wave at BLOCK_V 64 (N * Hv * 2 > 132): the wide tiling.
-WIDE_CASES = [CASES[3], CASES[12], CASES[13], Case(8, 500, 4, 16, dtype=torch.float16),
-              Case(4, 1000, 8, 32, gate="strong", h0=False),
-              _varlen(_lens(70, 0, 130, seed=2), 1, 1, pad=3, gate="zero")]
-
-
-@pytest.mark.parametrize("case, flag", [(c, "FWD_NARROW_TILING") for c in NARROW_CASES]
-                         + [(c, "FWD_WIDE_TILING") for c in WIDE_CASES],
-                         ids=lambda x: x if isinstance(x, str) else x.id)
-def test_tiling_matches_recurrence(case, flag, monkeypatch):
-    """Each per-call tiling (narrow: BLOCK_V_NARROW, wide: BLOCK_V_WIDE) switched on, on
-    grids that select it: o and the final state against the fp64 recurrence, h against
-    the torch backend."""
-    from flash_qla_sm90.kernels import forward, traits
-
-    monkeypatch.setattr(traits, flag, True)
-    inp = make_inputs(case, seed=5)
-    N = len(case.lens) if case.lens else case.B
-    assert forward.fused_tiling(N, case.Hv, 128, forward._sm_count(inp["q"].device)) != ()
-    _check_with_states(case, inp)
-
-
 @pytest.mark.parametrize("case", [CASES[0], CASES[11], CASES[12]], ids=lambda c: c.id)
 def test_agrees_with_torch_backend(case):
     inp = make_inputs(case, seed=3)
@@ -177,8 +151,8 @@ def test_bitwise_deterministic():
             assert torch.equal(a, b)
 
 
-# NaN / Inf in tokens after cu_seqlens[-1] (a CUDA-graph bucket padded with stale memory),
-# at every narrow / default / wide tiling: last chunks that end mid-chunk read them.
+# NaN / Inf in tokens after cu_seqlens[-1] (a CUDA-graph bucket padded with stale memory):
+# last chunks that end mid-chunk read them.
 POISON_CASES = [CASES[11], _varlen(_lens(10, 1, 300, seed=4), 2, 4, pad=20), CASES[12],
                 _varlen(_lens(80, 1, 150, seed=3), 2, 4, pad=41)]
 
@@ -201,37 +175,24 @@ def test_nan_padding_never_reaches_valid_tokens(case):
     assert torch.equal(dirty[4], clean[4])
 
 
-@pytest.mark.parametrize("aux", [False, True], ids=["chunk_fwd_t", "chunk_fwd_ws"])
 @pytest.mark.parametrize("case", CASES + POISON_CASES[:2], ids=lambda c: c.id)
-def test_transposed_kernel_matches_recurrence(case, aux, monkeypatch):
-    """The transposed-state kernels (chunk_fwd_t; chunk_fwd_ws with the aux warpgroup),
-    forced by a zero cost: o and the final state against the fp64 recurrence, h against
-    the torch backend, padding rows zero."""
-    from flash_qla_sm90.kernels import forward, traits
-
-    monkeypatch.setattr(traits, "FWD_TRANSPOSED", True)
-    monkeypatch.setattr(traits, "FWD_AUX_WARPGROUP", aux)
-    monkeypatch.setattr(traits, "FWD_CHUNK_US_TRANSPOSED", {"t": 0.0, "ws": 0.0})
-    inp = make_inputs(case, seed=9)
-    N = len(case.lens) if case.lens else case.B
-    assert forward.use_transposed(N, case.Hv, 128, 128, forward._sm_count(inp["q"].device))
-    _check_with_states(case, inp)
+def test_forward_with_states_matches_recurrence(case):
+    """The forward kernel storing h (fp32, ``output_h``): o and the final state against
+    the fp64 recurrence, h against the torch backend, padding rows zero."""
+    _check_with_states(case, make_inputs(case, seed=9))
 
 
 @pytest.mark.parametrize("case", CASES + POISON_CASES[:2], ids=lambda c: c.id)
-def test_blocked_prepare_matches_recurrence(case, monkeypatch):
-    """The prepare kernel with the blocked fp16-WGMMA inverse (chunk_prepare_blocked):
-    the whole forward against the fp64 recurrence (o, final state, h), its A against the
-    substitution kernel's, padding rows zero and NaN padding never entering."""
-    from flash_qla_sm90.kernels import traits
-
+def test_blocked_prepare_matches_recurrence(case):
+    """The prepare kernel (the blocked fp16-WGMMA inverse, chunk_prepare_blocked): the
+    whole forward against the fp64 recurrence (o, final state, h), its A against the
+    torch backend's (fp64 substitution), padding rows zero and NaN padding never
+    entering."""
     inp = make_inputs(case, seed=13)
-    monkeypatch.setattr(traits, "PREPARE_BLOCKED", False)
-    _, a_sub, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp)
-    monkeypatch.setattr(traits, "PREPARE_BLOCKED", True)
     _, a_blk, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp)
+    _, a_ref, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp, backend="torch")
     assert torch.isfinite(a_blk).all()
-    assert rel_l2(a_blk, a_sub) < 4e-3
+    assert rel_l2(a_blk.float(), a_ref.float()) < 4e-3
     _check_with_states(case, inp)
     if case.pad:                                  # NaN in k, g, beta past cu_seqlens[-1]
         pad = slice(case.T - case.pad, case.T)
@@ -260,12 +221,11 @@ def test_high_level_options():
 
 def test_no_recompilation_across_shapes():
     """B, T, H, N and sequence lengths are dynamic: one compiled kernel per static config."""
-    from flash_qla_sm90.kernels import forward
-    from flash_qla_sm90.kernels.chunk_fwd import chunk_fwd_kernel
+    from flash_qla_sm90.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_sm90.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
-    builders = (chunk_fwd_kernel, forward.prepare_kernel(),
-                forward.TRANSPOSED_KERNELS[forward.transposed_kernel()])
-    warm = [Case(1, 64, 1, 1), Case(8, 256, 16, 32)]       # chunk_fwd; the transposed kernel
+    builders = (chunk_prepare_blocked_kernel, chunk_fwd_ws_kernel)
+    warm = [Case(1, 64, 1, 1), Case(8, 256, 16, 32)]
     for case in warm:
         flash_qla.chunk_gated_delta_rule_fwd(**make_inputs(case))
     before = [len(b._kernel_cache) for b in builders]
@@ -343,22 +303,22 @@ def test_bounded_split_is_bitwise_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-def test_automatic_split_matches_recurrence(monkeypatch):
-    """The automatic segment plan switched on (traits.SEGMENT_AUTO): one long sequence at
-    few heads is split by the cost model and still matches the fp64 recurrence; a grid
-    that fills the GPU is not planned for a split."""
-    from flash_qla_sm90.kernels import forward, traits
+def test_automatic_split_matches_recurrence():
+    """The automatic segment plan: one long sequence at few heads is split by the cost
+    model and still matches the fp64 recurrence; a grid that fills the GPU is not planned
+    for a split."""
+    from flash_qla_sm90 import plan
+    from flash_qla_sm90.layout import sm_count
 
-    monkeypatch.setattr(traits, "SEGMENT_AUTO", True)
     case = Case(1, 32768, 2, 8)
     inp = make_inputs(case, seed=21)
-    sms = forward._sm_count(inp["q"].device)
-    assert forward.plan_segment_len([0, case.T], case.Hv, 128, 128, sms) is not None
+    sms = sm_count(inp["q"].device)
+    assert plan.segment_len([0, case.T], case.Hv, sms).value is not None
     o, final = flash_qla.chunk_gated_delta_rule(**inp, output_final_state=True)
     o_ref, final_ref = reference(inp)
     assert rel_l2(o, o_ref) < TOL[case.dtype]
     assert rel_l2(final, final_ref) < TOL[case.dtype]
-    assert forward.plan_segment_len([b * 4096 for b in range(9)], 32, 128, 128, sms) is None
+    assert plan.segment_len([b * 4096 for b in range(9)], 32, sms).value is None
 
 
 def test_split_inside_graph_capture():

@@ -1,11 +1,15 @@
 """The sm90 host path on the CPU: every TileLang launch replaced by a no-op, so the torch
 ops a training step issues around its kernels can be counted without a GPU. Each copy
 there is a kernel launch on the GPU (~15 us of host time per launch on the H200 hosts),
-and at 8192 tokens a training step is host-bound (docs/perf-notes.md, v11)."""
+and at 8192 tokens a training step is host-bound (docs/perf-notes.md, v11). The stubs
+also record which kernel variants the host path launches: exactly the shipped ones
+(``flash_qla_sm90.precompile.variants``)."""
 
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 
 import pytest
 import torch
@@ -26,39 +30,47 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: The kernel builders each orchestrator launches, by module.
+BUILDERS = {"forward": ("chunk_prepare_blocked_kernel", "chunk_fwd_ws_kernel"),
+            "backward": ("chunk_bwd_dh_ws_kernel", "chunk_bwd_intra_kernel",
+                         "group_sum_kernel", "chunk_bwd_fused_kernel")}
+
+
 @pytest.fixture
-def sm90_without_launches(monkeypatch):
+def built(monkeypatch):
     """``flash_qla.chunk_gated_delta_rule`` on CPU tensors through the sm90 host path,
-    with every kernel builder returning a launcher that does nothing (132 SMs)."""
+    with every kernel builder replaced by a stub whose launchers do nothing (132 SMs).
+    Returns the (builder name, static arguments) of every launcher built, in order:
+    each configuration once (the launchers are kept per configuration)."""
     from flash_qla import api
-    from flash_qla_sm90.kernels import (
-        Sm90Kernels,
-        backward,
-        chunk_bwd_fused,
-        chunk_bwd_intra,
-        forward,
-        launch,
-    )
+    from flash_qla_sm90 import backend, backward, forward, launch
 
-    def builder(*static):
-        return lambda *args: None
+    built = []
 
-    for module, names in ((forward, ("chunk_fwd_kernel", "chunk_fwd_t_kernel",
-                                     "chunk_fwd_ws_kernel")),
-                          (backward, ("chunk_bwd_dh_kernel", "chunk_bwd_dh_ws_kernel")),
-                          (chunk_bwd_intra, ("chunk_bwd_intra_kernel", "group_sum_kernel")),
-                          (chunk_bwd_fused, ("chunk_bwd_fused_kernel",))):
-        for name in names:
-            monkeypatch.setattr(module, name, builder)
-    for table in (forward.TRANSPOSED_KERNELS, forward.PREPARE_KERNELS):
-        for name in list(table):
-            monkeypatch.setitem(table, name, builder)
+    def stub(name):
+        def builder(*static):
+            built.append((name, static))
+            return lambda *args: None
+        builder.__name__ = name
+        return builder
+
+    for module in (forward, backward):
+        for name in BUILDERS[module.__name__.rpartition(".")[2]]:
+            monkeypatch.setattr(module, name, stub(name))
     monkeypatch.setattr(launch, "_LAUNCHERS", {})        # the stubs' launchers die here
-    monkeypatch.setattr(forward, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(backward, "_sm_count", lambda device: 132)
-    kernels = Sm90Kernels()
+    for module in (backward, backend):
+        monkeypatch.setattr(module, "sm_count", lambda device: 132)
+    kernels = backend.Sm90Kernels()
     monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *others: (None, kernels))
-    ran = []                          # which backward each step took
+    return built
+
+
+@pytest.fixture
+def sm90_without_launches(built, monkeypatch):
+    """The host path of :func:`built`; returns which backward each step took."""
+    from flash_qla_sm90 import backward
+
+    ran = []
     for name in ("chunk_bwd", "chunk_bwd_warmup"):
         monkeypatch.setattr(backward, name, _spy(getattr(backward, name), name, ran))
     return ran
@@ -66,9 +78,9 @@ def sm90_without_launches(monkeypatch):
 
 @pytest.fixture
 def fused_launches(monkeypatch):
-    """The statics after (dtype, K, V) of every fused-kernel launch (and of none of the
-    prepare's, whose statics are (dtype, K)), in order."""
-    from flash_qla_sm90.kernels import forward
+    """The statics after (dtype, K, V) of every launch of the forward kernel (and of none
+    of the prepare's, whose statics are (dtype, K)), in order."""
+    from flash_qla_sm90 import forward
 
     fused = []
     real = forward.launcher
@@ -195,19 +207,15 @@ def test_low_level_backward_returns_dbeta_in_beta_dtype(sm90_without_launches, B
     assert (dg.dtype, dq.dtype, dv.dtype) == (torch.float32, q.dtype, v.dtype)
 
 
-@pytest.mark.parametrize("in_dtype", [True, False])
-def test_unsplit_backward_keeps_states_in_q_dtype(sm90_without_launches, monkeypatch,
-                                                  in_dtype):
-    """The unsplit backward (4 x 2048 at 16 heads: the plan picks chunk_fwd_ws) hands the
-    intra kernel h and dS1 in q's dtype with ``traits.BWD_STATES_IN_DTYPE``, fp32
-    without it; no conversion copy either way."""
+def test_unsplit_backward_keeps_states_in_q_dtype(sm90_without_launches, monkeypatch):
+    """The unsplit two-kernel backward (4 x 2048 at 16 heads) hands the per-chunk
+    gradient kernel h and dS1 in q's dtype, with no conversion copy."""
     import flash_qla
-    from flash_qla_sm90.kernels import backward, chunk_bwd_intra, traits
+    from flash_qla_sm90 import backward
 
-    monkeypatch.setattr(traits, "BWD_STATES_IN_DTYPE", in_dtype)
     seen = []
-    real = chunk_bwd_intra.chunk_grads
-    monkeypatch.setattr(chunk_bwd_intra, "chunk_grads", lambda *a, **kw: (
+    real = backward.chunk_grads
+    monkeypatch.setattr(backward, "chunk_grads", lambda *a, **kw: (
         seen.append((a[7].dtype, a[8].dtype)), real(*a, **kw))[1])
     (q, k, v, g, beta, h0), do, dht = _inputs(4, 2048, 16, requires_grad=False)
     g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(q, k, v, g, beta,
@@ -216,34 +224,30 @@ def test_unsplit_backward_keeps_states_in_q_dtype(sm90_without_launches, monkeyp
     with count:
         flash_qla.chunk_gated_delta_rule_bwd(q, k, v, g_cumsum, beta, A, do, dht,
                                              initial_state=h0)
-    want = q.dtype if in_dtype else torch.float32
-    assert sm90_without_launches == ["chunk_bwd"] and seen == [(want, want)], seen
+    assert sm90_without_launches == ["chunk_bwd"] and seen == [(q.dtype, q.dtype)], seen
     assert count.ops["aten._to_copy"] == 2, count.ops          # beta up, dbeta back only
-    assert backward.states_in_dtype(backward.layout_for(q, None), 16, 128, 128,
-                                    q.device) is in_dtype
 
 
-@pytest.mark.parametrize("in_dtype", [True, False])
-def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, monkeypatch,
-                                                       in_dtype):
-    """GVA (Hv = 2 Hk): with ``traits.BWD_GVA_GRADS_IN_DTYPE`` the intra kernel's variant
-    writes dq, dk per value head in q's dtype and one reduction per tensor sums the heads
-    (no cast copy after it); without, fp32 per head and a cast of each sum."""
-    import flash_qla
-    from flash_qla_sm90.kernels import chunk_bwd_intra, traits
-
-    monkeypatch.setattr(traits, "BWD_GVA_GRADS_IN_DTYPE", in_dtype)
-    launched = []
-    real = chunk_bwd_intra.launcher
+def _spy_launches(monkeypatch, module, launched: list) -> None:
+    """Record ``(builder name, static, args)`` of every launch ``module`` makes."""
+    real = module.launcher
 
     def spy(builder, *static):
         run = real(builder, *static)
-        if len(static) == 2:                     # group_sum_kernel(dtype, K)
-            return lambda *args: (launched.append(("group_sum", static)), run(*args))[1]
-        return lambda *args: (launched.append((static, args[13].dtype, args[14].dtype)),
+        return lambda *args: (launched.append((builder.__name__, static, args)),
                               run(*args))[1]
 
-    monkeypatch.setattr(chunk_bwd_intra, "launcher", spy)
+    monkeypatch.setattr(module, "launcher", spy)
+
+
+def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, monkeypatch):
+    """GVA (Hv = 2 Hk): the per-chunk gradient kernel writes dq, dk per value head in
+    q's dtype and one reduction per tensor sums the heads (no cast copy after it)."""
+    import flash_qla
+    from flash_qla_sm90 import backward
+
+    launched = []
+    _spy_launches(monkeypatch, backward, launched)
     (q, k, v, g, beta, h0), do, dht = _inputs(4, 256, 4, requires_grad=False)
     q, k = q[:, :, :2].contiguous(), k[:, :, :2].contiguous()          # Hk = 2, Hv = 4
     g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(q, k, v, g, beta,
@@ -252,13 +256,14 @@ def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, mo
     with count:
         dq, dk, *_ = flash_qla.chunk_gated_delta_rule_bwd(q, k, v, g_cumsum, beta, A, do,
                                                           dht, initial_state=h0)
-    want = q.dtype if in_dtype else torch.float32
-    sums = [("group_sum", ("bfloat16", 128))] * 2 if in_dtype else []   # dq's and dk's
-    assert launched == [(launched[0][0], want, want), *sums], launched
-    assert launched[0][0][3] is in_dtype
+    names = [name for name, _, _ in launched]
+    assert names == ["chunk_bwd_dh_ws_kernel", "chunk_bwd_intra_kernel",
+                     "group_sum_kernel", "group_sum_kernel"], names      # dq's, dk's sums
+    intra = launched[1][2]
+    assert intra[13].dtype == intra[14].dtype == q.dtype                 # dq, dk per head
     assert (dq.dtype, dq.shape, dk.dtype) == (q.dtype, q.shape, k.dtype)
-    assert count.ops.get("aten.sum", 0) == (0 if in_dtype else 2), count.ops   # in torch
-    assert count.ops["aten._to_copy"] == (2 if in_dtype else 4), count.ops
+    assert count.ops.get("aten.sum", 0) == 0, count.ops
+    assert count.ops["aten._to_copy"] == 2, count.ops
 
 
 def test_gva_sum_reads_the_kernels_group_major_layout(sm90_without_launches, monkeypatch):
@@ -267,7 +272,7 @@ def test_gva_sum_reads_the_kernels_group_major_layout(sm90_without_launches, mon
     launch writes known per-value-head rows there by that rule: the returned dq, dk are
     each q/k head's sum over its own value heads (GVA 1:3, so a wrong group order shows)."""
     import flash_qla
-    from flash_qla_sm90.kernels import chunk_bwd_intra
+    from flash_qla_sm90 import backward
 
     gen = torch.Generator().manual_seed(5)
     B, T, Hk, Hv, K = 1, 128, 2, 6, 128
@@ -283,8 +288,9 @@ def test_gva_sum_reads_the_kernels_group_major_layout(sm90_without_launches, mon
     def group_sum(x, out):                   # group_sum_kernel's contract: [G, M, K] -> [M, K]
         out.copy_(x.float().sum(dim=0))
 
-    monkeypatch.setattr(chunk_bwd_intra, "launcher", lambda builder, *static: (
-        group_sum if len(static) == 2 else fill))     # group_sum_kernel(dtype, K)
+    launches = {"chunk_bwd_intra_kernel": fill, "group_sum_kernel": group_sum}
+    monkeypatch.setattr(backward, "launcher", lambda builder, *static: launches.get(
+        builder.__name__, lambda *args: None))
     (q, k, v, g, beta, h0), do, dht = _inputs(B, T, Hv, requires_grad=False)
     q, k = q[:, :, :Hk].contiguous(), k[:, :, :Hk].contiguous()
     g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(q, k, v, g, beta,
@@ -296,7 +302,7 @@ def test_gva_sum_reads_the_kernels_group_major_layout(sm90_without_launches, mon
         torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.01, msg=name)
 
 
-_INDEX_OPS = ("aten.searchsorted", "aten.cumsum")     # chunk_layout._build's, on the device
+_INDEX_OPS = ("aten.searchsorted", "aten.cumsum")     # layout._build's, on the device
 
 
 def test_captured_bounded_split_reuses_its_segment_layout(sm90_without_launches, monkeypatch):
@@ -307,10 +313,10 @@ def test_captured_bounded_split_reuses_its_segment_layout(sm90_without_launches,
     the user's varlen offsets are rebuilt in every capture as before."""
     import flash_qla
     from flash_qla import validation
-    from flash_qla_sm90.kernels import forward
+    from flash_qla_sm90 import layout
 
     capturing = {"on": False}
-    for module in (validation, forward):
+    for module in (validation, layout):
         monkeypatch.setattr(module, "is_capturing", lambda device: capturing["on"])
     inputs = {T: _inputs(1, T, 4, requires_grad=True) for T in (8192, 16384)}
 
@@ -342,15 +348,15 @@ def test_captured_bounded_split_reuses_its_segment_layout(sm90_without_launches,
 def test_captured_varlen_batch_is_split_on_the_device(sm90_without_launches, fused_launches,
                                                       monkeypatch, host_lengths):
     """Inside a CUDA-graph capture a varlen prefill (no grad) at few heads runs the
-    bounded split (the warm-up flag set on chunk_fwd_ws) from a plan laid out on the
+    bounded split (the warm-up flag set on the forward kernel) from a plan laid out on the
     device: the segment length is planned from cu_seqlens_cpu when given, else as if
     one sequence held nearly all the tokens; the lengths are never read on the host. A
     batch of 64 sequences (x 4 heads: more CTAs than SMs) stays unsplit either way."""
     import flash_qla
     from flash_qla import segments, validation
-    from flash_qla_sm90.kernels import forward
+    from flash_qla_sm90 import layout
 
-    for module in (validation, segments, forward):
+    for module in (validation, segments, layout):
         monkeypatch.setattr(module, "is_capturing", lambda device: True)
     monkeypatch.setattr(segments, "host_bounds", None)          # no host lengths used
     (q, k, v, g, beta, _), _, _ = _inputs(1, 8192, 4, requires_grad=False)
@@ -373,7 +379,7 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
     """A varlen batch of empty sequences (padding only) has no chunk; h and dS1 in q's
     dtype leave their kernels by TMA, whose descriptors need every dimension >= 1: the
     kernels get one row (never written), the callers none."""
-    from flash_qla_sm90.kernels import backward, forward
+    from flash_qla_sm90 import backward, forward
 
     launched = {}
     for module, name in ((forward, "fwd"), (backward, "sweep")):
@@ -388,36 +394,41 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
     cu = torch.tensor([0, 0, 0], dtype=torch.int32)
     A = torch.zeros(1, 64, 2, 64, dtype=q.dtype)
     p = backward.pack(q, k, v, g, beta, A, do, cu)
-    _, _, h = forward._fused(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=1.0,
-                             initial_state=None, num_chunks=0, alloc=torch.empty,
-                             tiling="ws", h_in_dtype=True)
+    _, _, h = forward.state_output(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout,
+                                   scale=1.0, initial_state=None, num_chunks=0,
+                                   alloc=torch.empty, h_in_dtype=True)
     dS1, _ = backward.state_grads(q, k, do, g, beta, A, scale=1.0, dht=None, cu_seqlens=cu,
-                                  cu_seqlens_cpu=cu, ds1_in_dtype=True, packed=p)
+                                  cu_seqlens_cpu=cu, packed=p)
     assert launched["fwd"][12].shape[0] == 1 and h.shape == (0, 2, 128, 128)
     assert launched["sweep"][10].shape[0] == 1 and dS1.shape == (0, 2, 128, 128)
+
+
+def _force_fused(monkeypatch, fused: bool) -> None:
+    """Both backwards take the fused kernel (True) or the two kernels (False), whatever
+    ``plan.fused_backward`` would pick."""
+    from flash_qla_sm90 import backward
+
+    for name in ("chunk_bwd", "chunk_bwd_warmup"):
+        planned = getattr(backward, name)
+        planned = getattr(planned, "planned", planned)
+        forced = functools.partial(planned, fused=fused)
+        forced.planned = planned
+        monkeypatch.setattr(backward, name, forced)
 
 
 @pytest.mark.parametrize("B, T, H, path", [(4, 2048, 16, "chunk_bwd"),
                                            (1, 8192, 4, "chunk_bwd_warmup")])
 def test_fused_backward_launches(sm90_without_launches, monkeypatch, B, T, H, path):
-    """Where ``backward.fused_pays``: the unsplit backward launches ``chunk_bwd_fused`` (h in q's
+    """With the fused kernel: the unsplit backward launches ``chunk_bwd_fused`` (h in q's
     dtype, the caller's dht) instead of the sweep and the per-chunk kernel; the bounded
     split (1 x 8192 at 4 heads) launches the boundary sweep (no dS1, dS at each segment's
     end) and then the fused kernel from those states."""
     import flash_qla
-    from flash_qla_sm90.kernels import backward, chunk_bwd_fused, chunk_bwd_intra, traits
+    from flash_qla_sm90 import backward
 
-    monkeypatch.setattr(traits, "BWD_FUSED_STEP_US", 0.0)   # fused wherever it can run
+    _force_fused(monkeypatch, True)
     launched = []
-    for name, module in (("backward", backward), ("chunk_bwd_intra", chunk_bwd_intra),
-                         ("chunk_bwd_fused", chunk_bwd_fused)):
-        real = module.launcher
-
-        def spy(builder, *static, real=real, name=name):
-            run = real(builder, *static)
-            return lambda *args: (launched.append((name, static, args)), run(*args))[1]
-
-        monkeypatch.setattr(module, "launcher", spy)
+    _spy_launches(monkeypatch, backward, launched)
     (q, k, v, g, beta, h0), do, dht = _inputs(B, T, H, requires_grad=True)
     o, final = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                                 output_final_state=True)
@@ -425,16 +436,54 @@ def test_fused_backward_launches(sm90_without_launches, monkeypatch, B, T, H, pa
     assert sm90_without_launches == [path]
     names = [name for name, _, _ in launched]
     fused = launched[-1]
-    assert fused[1] == ("bfloat16", 128, 128, True, True)        # dht, dq / dk in dtype
+    assert fused[1] == ("bfloat16", 128, 128, True)              # dht
     assert fused[2][7].dtype == q.dtype                          # h
     N = fused[2][17].shape[0]                                    # dh0 rows
     assert fused[2][10].shape == (N, H, 128, 128) == fused[2][17].shape   # dht per walk
     if path == "chunk_bwd":
-        assert names == ["chunk_bwd_fused"] and N == B
+        assert names == ["chunk_bwd_fused_kernel"] and N == B
         assert fused[2][10] is not fused[2][17]
     else:
         sweep = launched[0]
-        assert names == ["backward", "chunk_bwd_fused"]             # the sweep, fused
+        assert names == ["chunk_bwd_dh_ws_kernel", "chunk_bwd_fused_kernel"]
         assert sweep[1][3:] == (True, True, False, True)          # dht, warm-up, boundary
         assert sweep[2][11] is fused[2][10] and N > 1             # its dh0 starts the walks
     assert q.grad.shape == q.shape and g.grad.shape == g.shape
+
+
+def _training_step(B, T, *, h0: bool, dht: bool, save: bool, output_h: bool = False):
+    """One forward with grad (GVA 2/4) and its backward, or with ``output_h`` a
+    low-level forward returning h."""
+    import flash_qla
+
+    (q, k, v, g, beta, h), do, ht_grad = _inputs(B, T, 4, requires_grad=True)
+    q, k = (x.detach()[:, :, :2].clone().requires_grad_() for x in (q, k))
+    state = h if h0 else None
+    if output_h:
+        flash_qla.chunk_gated_delta_rule_fwd(q.detach(), k.detach(), v.detach(), g.detach(),
+                                             beta.detach(), initial_state=state,
+                                             output_h=True)
+        return
+    o, final = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                                output_final_state=dht,
+                                                save_chunk_states=save)
+    outs, grads = ((o, final), (do, ht_grad)) if dht else ((o,), (do,))
+    torch.autograd.backward(outs, grads)
+
+
+def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
+    """Training steps over every option the host path distinguishes (initial state,
+    state gradient, kept or recomputed h, unsplit or bounded split, fused or two-kernel
+    backward, h returned) launch exactly the bf16 variants ``precompile.variants()``
+    compiles ahead of time: none missing from the shipped cache, none shipped unused."""
+    precompile = pytest.importorskip("flash_qla_sm90.precompile")
+    for fused in (False, True):
+        _force_fused(monkeypatch, fused)
+        for (B, T), h0, dht, save in itertools.product(((2, 256), (1, 8192)), (False, True),
+                                                       (False, True), (False, True)):
+            _training_step(B, T, h0=h0, dht=dht, save=save)
+    for h0 in (False, True):
+        _training_step(2, 256, h0=h0, dht=False, save=False, output_h=True)
+    shipped = {(b.func.orig_func.__name__, args) for b, args in precompile.variants()
+               if args[0] == "bfloat16"}
+    assert set(built) == shipped, (sorted(set(built) - shipped), sorted(shipped - set(built)))

@@ -1,10 +1,11 @@
 """The bounded split's in-kernel walk searches, step by step (CPU).
 
 With ``warmup``, each CTA (segment n, value head h) of ``chunk_fwd_ws`` searches where
-its recurrence starts, and each CTA of ``chunk_bwd_dh`` where its reverse sweep starts,
-from the rule's ``kernel_args`` (``flash_qla.segments.WalkStarts`` / ``WalkEnds``):
-``chunk_fwd_ws`` sums the chunk totals of g_cumsum backwards from the segment's start,
-``chunk_bwd_dh`` forwards from its end, WALK_UNROLL chunks a step in fp32. Emulated here
+its recurrence starts, and each CTA of ``chunk_bwd_dh_ws`` where its reverse sweep
+starts, from the rule's ``kernel_args`` (``flash_qla.segments.WalkStarts`` /
+``WalkEnds``): ``chunk_fwd_ws`` sums the chunk totals of g_cumsum backwards from the
+segment's start, ``chunk_bwd_dh_ws`` (``tile_ops.search_walk_end``) forwards from its
+end, WALK_UNROLL chunks a step in fp32. Emulated here
 as the kernels run them, both must pick the walks of the reference rules
 (``segments.warmup_starts`` / ``warmup_ends``, fp64 on the device) on random gates:
 decaying, zero and positive ones, empty, short and ragged sequences. The kernels
@@ -87,7 +88,7 @@ def emulate_walks(g_cumsum: torch.Tensor, rule: segments.WalkStarts):
 
 def emulate_walk_ends(g_cumsum: torch.Tensor, rule: segments.WalkEnds):
     """``(walk_end, dht_from)`` ``[Nseg][Hv]`` the way the kernel finds them: the loop of
-    ``chunk_bwd_dh`` (fp32 sum, WALK_UNROLL clamped loads a step; dht's row where the
+    ``chunk_bwd_dh_ws`` (fp32 sum, WALK_UNROLL clamped loads a step; dht's row where the
     walk starts at its sequence's end, else -1 for a zero start)."""
     gc = g_cumsum.reshape(-1, g_cumsum.shape[-1]).float()                   # [T,Hv]
     cu, eoss, seqs = rule.plan.cu_cpu.tolist(), rule.seq_end.tolist(), rule.seq_index.tolist()

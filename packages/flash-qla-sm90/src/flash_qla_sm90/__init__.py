@@ -4,9 +4,21 @@ This module is what the ``flash_qla.backends`` entry point ``sm90`` points at. I
 declares :data:`BACKEND`; importing it imports neither TileLang nor the kernels, and
 compiles nothing. The kernels load on first use, through ``BACKEND.loader``.
 
+The package, by role (each module imports only those above it):
+
+- ``kernels/``: TileLang device code, one module per quantity computed (its
+  ``__init__`` lists them), and ``traits``, their static configuration;
+- ``layout``: shared host helpers (chunk layout, packing, dtype names, chunk counts);
+- ``plan``: every per-call choice (state keeping, segment split, fused or two-kernel
+  backward), returned with its reason;
+- ``launch``: one launcher per compiled kernel configuration;
+- ``forward``, ``backward``: the orchestrators that launch the kernels;
+- ``precompile``: the kernels the wheel ships compiled, and the shipped cache;
+- ``backend``: the :class:`flash_qla.backend.Kernels` the core calls (``load()``).
+
 To add an arch package, copy this file and the package's ``pyproject.toml``, change the
-name, capabilities, head dims and dtypes, and write its ``kernels`` subpackage with a
-``load()`` returning a :class:`flash_qla.backend.Kernels`.
+name, capabilities, head dims and dtypes, and write a ``load()`` returning a
+:class:`flash_qla.backend.Kernels`.
 """
 
 from __future__ import annotations
@@ -29,7 +41,8 @@ KERNEL_API_VERSION = 1
 
 
 def _load():
-    from flash_qla_sm90.kernels import load
+    # imported here, not at the top: ``import flash_qla_sm90`` must not import TileLang
+    from flash_qla_sm90.backend import load
 
     return load()
 

@@ -103,7 +103,7 @@ def store_staged(out, stage, src_t, row, h, barrier, threads):
     thread stores the tile. Before the tile is overwritten, that thread waits until its
     previous store has read it. ``store_transposed``'s register-to-global stores (64
     two-byte scattered stores per thread for a 128 x 128 tile) cost ~1.6-2 us per chunk
-    on the forward's state chain (docs/perf-notes.md, v18 call 5). The caller waits for
+    on the forward's state chain (docs/perf-notes.md, v18). The caller waits for
     the last store (``T.tma_store_wait()``) before its threads exit."""
     V, K = src_t.shape
     T.tma_store_wait()                      # the previous store has read the tile

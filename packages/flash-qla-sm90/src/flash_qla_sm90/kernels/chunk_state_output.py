@@ -1,43 +1,45 @@
-"""Fused forward with the transposed state and an auxiliary warpgroup one chunk ahead.
+"""The forward's chunk recurrence: chunk states h, output o and final state in one pass.
 
-Same math and outputs as ``chunk_fwd_t`` (gdn-math.md, "Chunked form", written for S^T);
-what changes is who does what. Three warpgroups per CTA, one CTA per (sequence, value
-head), roles fixed by ``T.ws``:
+One CTA per (sequence, value head) holds the whole state, transposed (S^T, V x K) so that
+the value dimension is the WGMMA M dimension and S^T, R and U^T feed the next GEMM as
+register A operands (``wgmma_rs``): no shared-memory copy, fence or barrier on the state
+chain. Per chunk (gdn-math.md, "Chunked form", written for S^T; rows i, j / columns t of
+the chunk, gam = chunk cumsum, E = diag(exp(gam)), D = diag(exp(gam_C - gam)),
+G_ij = exp(gam_i - gam_j) for i >= j):
 
-- warpgroups 0, 1 (state, 64 rows of S^T each, S^T in registers): per chunk only the
-  register-A WGMMA chain and its element-wise steps,
+    O^T  = S0^T Q^T                      (K S0)^T = S0^T K^T          # [V, C]
+    R    = V^T - (K S0)^T E              Ag = (G * A) diag(beta)     # [V, C], [C, C]
+    U^T  = R Ag^T                        P  = G * tril(Q K^T)        # [V, C], [C, C]
+    O^T  = scale (O^T E + U^T P^T)
+    S1^T = exp(gam_C) S0^T + (U^T D) K                                # [V, K]
 
-      O^T = S0^T Q^T,  R = V^T - (K S0)^T E,  U^T = R Ag^T,
-      O^T = scale (O^T E + U^T P^T),  S1^T = exp(gam_C) S0^T + (U^T D) K;
+Every exponent is <= 0 and evaluated as exp2 of log2-scaled gates. Three warpgroups per
+CTA, roles fixed by ``T.ws``:
 
+- warpgroups 0, 1 (state, 64 rows of S^T each, in registers): per chunk only the
+  register-A WGMMA chain above and its element-wise steps;
 - warpgroup 2 (aux): prepares chunk c into slot c % SLOTS while the state warpgroups
   work on an earlier chunk: its q, k, v, A tiles arrive by TMA issued one chunk ahead
   by one elected thread (rows past the sequence's end are zeroed in shared memory once
-  they land, so NaN in padding never enters), then Q K^T on the tensor cores, the masked, gated
-  Ag = (G * A) diag(beta) (in place of A) and P = G * tril(Q K^T), and the per-row
-  factors exp(gam), exp(gam_C - gam).
+  they land, so NaN in padding never enters a GEMM), then Q K^T on the tensor cores,
+  the masked, gated Ag (in place of A) and P, and the per-row factors exp(gam),
+  exp(gam_C - gam).
 
 The roles meet only on per-slot mbarriers: "full" (aux -> state, 128 arrivals) and
 "empty" (state -> aux, 256); "loaded" (TMA -> aux, 128 arrivals and the tiles' bytes).
-The TMA loads replaced per-thread cp.async (~260 address and predicate instructions
-per chunk on the aux warpgroup, the role the state waited for: 3.71 -> 3.33 us per
-chunk, perf-notes v18). Nothing state-independent (loads, gate exponentials, masks,
-Q K^T) is left on the state chain, and the two state warpgroups never synchronise with
-each other. TileLang's automatic synchronisation is off for this kernel: it would put
-CTA-wide barriers between the role blocks and serialise them.
+TMA loads instead of per-thread cp.async took ~260 address and predicate instructions
+per chunk off the aux warpgroup, the role the state waited for (3.71 -> 3.33 us per
+chunk, docs/perf-notes.md v18). Nothing state-independent (loads, gate exponentials,
+masks, Q K^T) is left on the state chain, and the two state warpgroups never
+synchronise with each other. TileLang's automatic synchronisation is off for this
+kernel: it would put CTA-wide barriers between the role blocks and serialise them.
 
 Registers: setmaxnreg gives the state warpgroups 208 and the aux one 88 (at the plain
 168, ptxas serialised every WGMMA k-step). The aux's mask pass runs in two loops, the
 gate factors into registers first and the P / Ag stores after, so the few gate values
-each thread needs are loaded once, not after every store.
-
-Status (docs/perf-notes.md, "v5"): verified on an H200 (2026-11-30, test_transposed_
-kernel_matches_recurrence: 17 passed); 3.7-4.0 us per chunk for the whole state
-(tune_chunk_fwd.py, 16/16 4x8192 and 16/32 8x4096; the version without setmaxnreg: 4.9-
-5.1 in the same call; chunk_fwd_t: 5.8). The first setmaxnreg version branched per
-element in the mask pass (32 divergent branches per chunk) and was 2.4% slower than
-the plain one; computing exp2 for every element and selecting fixed it. The default
-transposed forward (``traits.FWD_AUX_WARPGROUP``).
+each thread needs are loaded once, not after every store; it computes exp2 for every
+element and selects (a branch per element was 2.4% slower). ~3.7-4.0 us per chunk for
+the whole state on the H200 (docs/perf-notes.md v5).
 """
 
 import tilelang
@@ -53,7 +55,7 @@ SLOTS = 3
 #: setmaxnreg budgets. They move registers within the CTA's launch allocation (384
 #: threads x 168, ptxas's bound for 384 threads), so 256 x STATE_REGS + 128 x AUX_REGS
 #: must not exceed 64,512: an increase that the decreases cannot cover blocks forever
-#: (the hang of the first version, 208 / 96, asked for 1,024 registers more). At 168
+#: (208 / 96 asks for 1,024 registers more than there are, and hangs). At 168
 #: the state warpgroups' WGMMAs were serialised by ptxas (C7512, "insufficient register
 #: resources"): each 16-deep step waited for the previous one.
 STATE_REGS, AUX_REGS = 208, 88
@@ -71,9 +73,25 @@ AUX_BARRIER, STATE_BARRIER = 1, 2
 def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
                         warmup: bool = False, h_in_dtype: bool = False,
                         states_only: bool = False):
-    """Build the forward; arguments and outputs as ``chunk_fwd_kernel`` (state layouts
-    [.., K, V]; the kernel transposes on load and store), plus ``seq_start`` and
-    ``seq_index`` (``[NW]`` int32) and ``log_bound``, read only when ``warmup``.
+    """Build the forward for q/k/v dtype ``dtype``, K = V = 128.
+
+    Kernel arguments (packed token layout, Tt = total tokens, N sequences; state layouts
+    ``[.., K, V]``, transposed on load and store):
+        q, k            [Tt, Hk, K]     dtype
+        v               [Tt, Hv, V]     dtype
+        g_cumsum        [Tt, Hv]        fp32, chunk-local cumsum of the log gate
+        beta            [Tt, Hv]        fp32
+        A               [Tt, Hv, C]     dtype, gate-free inverse per chunk row
+        cu_seqlens      [N+1]           int32
+        chunk_offsets   [N+1]           int32, first chunk of each sequence (row in h)
+        initial_state   [N0, Hv, K, V]  fp32 (read only with has_initial_state)
+        scale           fp32 scalar
+        o               [Tt, Hv, V]     dtype out (rows of every sequence)
+        final_state     [N, Hv, K, V]   fp32 out
+        h_out           [NTh, Hv, K, V] fp32 (``dtype`` with ``h_in_dtype``) out,
+                                        chunk-start states (written if store_h)
+        seq_start, seq_index  [NW]      int32, read only with ``warmup``
+        log_bound       fp32 scalar, read only with ``warmup``
 
     ``warmup`` (the bounded segment split, the rule of ``flash_qla.segments.
     warmup_starts``, searched here): the "sequences" of ``cu_seqlens`` are segments;
@@ -90,9 +108,9 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     the segment's own chunks only (rows from ``chunk_offsets[n]``, the segment's first
     chunk in the sequences' chunk numbering), not for the warm-up.
 
-    ``h_in_dtype``: h is stored in ``dtype`` instead of fp32 (the bounded backward's
-    chunk states: half the bytes; its per-chunk gradient kernel rounds them to ``dtype``
-    GEMM operands anyway).
+    ``h_in_dtype``: h is stored in ``dtype`` instead of fp32 (the chunk states the
+    backward reads: half the bytes; its gradient kernels round them to ``dtype`` GEMM
+    operands anyway). fp32 h is what a caller asking for h (``output_h``) gets.
 
     ``states_only`` (the backward's recompute of h): o is neither computed nor stored
     (``o`` is not touched): no q tiles, no Q K^T or P on the aux warpgroup, and the
@@ -213,7 +231,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                 # h_s is written only by the state warpgroups, but TileLang's planner
                 # reuses the bytes of buffers whose last use comes earlier in program
                 # order (the aux block's): a use by every thread before the roles split
-                # keeps it in bytes of its own (v17's race of the output warpgroup); a
+                # keeps it in bytes of its own (else a race: docs/perf-notes.md v17); a
                 # few rows suffice (one element per thread), the sync orders them before
                 # the state's first staged store
                 for i, j in T.Parallel(3, V):

@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import tilelang
+from tilelang.jit.adapter.tvm_ffi import TVMFFIKernelAdapter
+
 #: The TileLang release whose adapter :func:`_direct` was read against (the sm90 pin).
 _TILELANG = "0.1.15"
 
@@ -37,7 +40,7 @@ def launcher(builder: Callable, *static: Any) -> Callable:
     ``builder``: a ``tilelang.jit`` kernel builder (or any callable returning a launcher,
     e.g. a test's stub); ``static``: its static arguments (dtype name, dims, flags).
     The launcher is built once per (builder, arguments), as TileLang keys its own
-    in-memory kernels (the kernel modules read ``traits`` when they are imported)."""
+    in-memory kernels."""
     key = (id(builder), static)
     entry = _LAUNCHERS.get(key)
     if entry is None:
@@ -52,9 +55,6 @@ def _direct(kernel: Any) -> Callable:
     adapter = getattr(kernel, "adapter", None)
     if adapter is None or getattr(adapter, "result_idx", None):
         return kernel
-    import tilelang
-    from tilelang.jit.adapter.tvm_ffi import TVMFFIKernelAdapter
-
     if tilelang.__version__ != _TILELANG or not isinstance(adapter, TVMFFIKernelAdapter):
         return kernel
     return adapter._get_executable()

@@ -1,7 +1,7 @@
-"""Per-chunk gradients of the backward, all chunks in parallel.
+"""The backward's per-chunk input gradients dq, dk, dv, dbeta, dg, all chunks in parallel.
 
 One CTA per (chunk, value head). Given the chunk-start state S0 (from the forward
-kernel) and the state gradient at the chunk's end dS1 (from ``chunk_bwd_dh``), every
+kernel) and the state gradient at the chunk's end dS1 (from ``chunk_state_grad``), every
 gradient of gdn-math.md "Backward of one chunk" is local to the chunk. Rows i, j of the
 chunk; gam = chunk cumsum of the gate, kept log2-scaled (``gam2 = gam log2(e)``) so
 every exponential is an ``exp2`` of a non-positive number (gates g <= 0; G is clamped
@@ -35,8 +35,8 @@ dAg and dP are finite, which the zeroed rows and finite states make them),
 the gate is clamped to the last valid row (so gam2_C is the sequence's last gam), the
 per-row gate terms are zeroed and only valid rows are stored.
 
-Order: every input tile goes out by cp.async at the top (q, k, A first; S0 and dS1
-straight into their operands when they come in q's dtype), P and Ag are formed while
+Order: every input tile goes out by cp.async at the top (q, k, A first; S0 and dS1, in
+q's dtype, straight into their operands), P and Ag are formed while
 the rest lands, and independent GEMMs are issued in pairs (``T.wgmma_gemm``) and waited
 for where their results are read.
 
@@ -55,22 +55,17 @@ which needs K = 2 C.
 
 import tilelang
 import tilelang.language as T
-import torch
 
-from .launch import launcher
 from .tile_ops import LOG2E, zero_rows_past
-from .traits import CHUNK, FWD_THREADS, PASS_CONFIGS, TARGET
+from .traits import CHUNK, GRAD_THREADS, PASS_CONFIGS, TARGET
 
 
 @tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool = False,
-                           states_in_dtype: bool = False):
+def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
     """Build the per-chunk gradient kernel for q/k/v dtype ``dtype`` and head dims K, V.
-    ``qk_grads_in_dtype``: dq, dk (per value head) are written in ``dtype`` (always with
-    ``traits.BWD_GVA_GRADS_IN_DTYPE``; else only where Hv = Hk, no GVA sum following),
-    else in fp32. ``states_in_dtype``: h and dS1 come in ``dtype`` (``backward``'s
-    whenever ``traits.BWD_STATES_IN_DTYPE`` applies), else in fp32; either way they
-    become ``dtype`` GEMM operands, and only ``<S0, dS1>`` (for dg) is summed in fp32.
+    h and dS1 come in ``dtype``, straight into their GEMM operands; only ``<S0, dS1>``
+    (for dg) is summed in fp32. dq, dk are written per value head in ``dtype`` (summed
+    over each GVA group afterwards by ``group_sum``).
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences, NT real
     chunks, NTmax >= NT grid rows):
@@ -78,13 +73,13 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
         v, do           [Tt, Hv, V]     dtype
         g_cumsum, beta  [Tt, Hv]        fp32
         A               [Tt, Hv, C]     dtype, gate-free inverse per chunk row
-        h, dS1          [NT, Hv, K, V]  fp32 (or dtype, see above), chunk-start state and
-                                        chunk-end state gradient
+        h, dS1          [NT, Hv, K, V]  dtype, chunk-start state and chunk-end state
+                                        gradient
         cu_seqlens      [N+1]           int32
         chunk_offsets   [N+1]           int32, first chunk of each sequence (row in h, dS1)
         chunk_idx       [NTmax, 2]      int32, (sequence, chunk within it); -1 rows skipped
         scale           fp32 scalar
-        dq, dk          [NG, Tt, Hk, K] fp32 (or dtype, see above) out, per value head
+        dq, dk          [NG, Tt, Hk, K] dtype out, per value head
                                         hv = hk * NG + g at [g, :, hk]: group-major, so
                                         the caller's GVA sum (NG = Hv / Hk) runs over
                                         the outermost dimension
@@ -96,10 +91,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
     assert K == 2 * C and V % 32 == 0      # <S0, dS1> row sums folded onto C rows
     Tt, Hk, Hv, NG, N1, NT, NTmax = T.dynamic("Tt, Hk, Hv, NG, N1, NT, NTmax")
     f32 = "float32"
-    qk_grad = dtype if qk_grads_in_dtype else f32
-    state = dtype if states_in_dtype else f32
-    BV = V // 2                                              # S0 / dS1 staged in two halves
-    LATER_GROUPS = 4 if states_in_dtype else 2     # cp.async groups after q, k, A
+    BV = V // 2                                    # <S0, dS1> summed in two halves
+    LATER_GROUPS = 4                               # cp.async groups after q, k, A
 
     @T.prim_func
     def chunk_bwd_intra(
@@ -110,19 +103,19 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
         g_cumsum: T.Tensor((Tt, Hv), f32),
         beta: T.Tensor((Tt, Hv), f32),
         A: T.Tensor((Tt, Hv, C), dtype),
-        h: T.Tensor((NT, Hv, K, V), state),
-        dS1: T.Tensor((NT, Hv, K, V), state),
+        h: T.Tensor((NT, Hv, K, V), dtype),
+        dS1: T.Tensor((NT, Hv, K, V), dtype),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
         chunk_idx: T.Tensor((NTmax, 2), "int32"),
         scale: T.float32,
-        dq: T.Tensor((NG, Tt, Hk, K), qk_grad),
-        dk: T.Tensor((NG, Tt, Hk, K), qk_grad),
+        dq: T.Tensor((NG, Tt, Hk, K), dtype),
+        dk: T.Tensor((NG, Tt, Hk, K), dtype),
         dv: T.Tensor((Tt, Hv, V), dtype),
         dbeta: T.Tensor((Tt, Hv), f32),
         dg: T.Tensor((Tt, Hv), f32),
     ):
-        with T.Kernel(NTmax * Hv, threads=FWD_THREADS) as bid:
+        with T.Kernel(NTmax * Hv, threads=GRAD_THREADS) as bid:
             # GEMM operands (dtype); some are reused once their first use is over
             q_shared = T.alloc_shared((C, K), dtype)
             k_shared = T.alloc_shared((C, K), dtype)
@@ -146,8 +139,7 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
             gam_frag = T.alloc_fragment((C,), f32)
             beta_frag = T.alloc_fragment((C,), f32)
             # fp32 accumulators
-            st_frag = T.alloc_fragment((K, BV), f32)          # half of S0
-            dt_frag = T.alloc_fragment((K, BV), f32)          # half of dS1
+            st_frag = T.alloc_fragment((K, BV), f32)          # half of S0 * dS1
             ss_part = T.alloc_fragment((K,), f32)
             ss_acc = T.alloc_fragment((K,), f32)
             qk_frag = T.alloc_fragment((C, C), f32)           # Q K^T
@@ -192,9 +184,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.async_copy(A[t0:t0 + C, hh, :], a_shared)
                 T.async_copy(v[t0:t0 + C, hh, :], u_shared)
                 T.async_copy(do[t0:t0 + C, hh, :], do_shared)
-                if states_in_dtype:               # S0, dS1 straight into their operands
-                    T.async_copy(h[srow, hh, :, :], s0_shared)
-                    T.async_copy(dS1[srow, hh, :, :], ds1_shared)
+                T.async_copy(h[srow, hh, :, :], s0_shared)        # S0, dS1 straight into
+                T.async_copy(dS1[srow, hh, :, :], ds1_shared)     # their operands
                 for i in T.Parallel(C):
                     gam_frag[i] = g_cumsum[t0 + T.min(i, rows - 1), hh] * LOG2E
                     beta_frag[i] = T.if_then_else(i < rows, beta[t0 + i, hh], 0.0)
@@ -229,20 +220,8 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 zero_rows_past(u_shared, rows)
                 zero_rows_past(do_shared, rows)
 
-                # fp32 S0, dS1 -> dtype operands, and the <S0, dS1> row sums (in dtype:
-                # below, while U = Ag X runs)
+                # the <S0, dS1> row sums: below, while U = Ag X runs
                 T.clear(ss_acc)
-                if not states_in_dtype:                  # fp32 -> registers -> dtype
-                    for half in T.serial(2):
-                        T.copy(h[srow, hh, :, half * BV:half * BV + BV], st_frag)
-                        T.copy(dS1[srow, hh, :, half * BV:half * BV + BV], dt_frag)
-                        T.copy(st_frag, s0_shared[:, half * BV:half * BV + BV])
-                        T.copy(dt_frag, ds1_shared[:, half * BV:half * BV + BV])
-                        for i, j in T.Parallel(K, BV):
-                            st_frag[i, j] = st_frag[i, j] * dt_frag[i, j]
-                        T.reduce_sum(st_frag, ss_part, dim=1, batch=4)
-                        for i in T.Parallel(K):
-                            ss_acc[i] = ss_acc[i] + ss_part[i]
                 T.fence_proxy_async()
                 T.sync_threads()
 
@@ -263,14 +242,13 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                 T.reduce_sum(cv_frag, r_qs, dim=1, batch=2)                       # <dO, QS0>
                 for i in T.Parallel(C):
                     vec_shared[0, i] = r_qs[i] * scale * T.exp2(gam_shared[i])
-                if states_in_dtype:                      # <S0, dS1> row sums
-                    for half in T.serial(2):
-                        for i, j in T.Parallel(K, BV):
-                            st_frag[i, j] = (T.cast(s0_shared[i, half * BV + j], f32)
-                                             * T.cast(ds1_shared[i, half * BV + j], f32))
-                        T.reduce_sum(st_frag, ss_part, dim=1, batch=4)
-                        for i in T.Parallel(K):
-                            ss_acc[i] = ss_acc[i] + ss_part[i]
+                for half in T.serial(2):                 # <S0, dS1> row sums
+                    for i, j in T.Parallel(K, BV):
+                        st_frag[i, j] = (T.cast(s0_shared[i, half * BV + j], f32)
+                                         * T.cast(ds1_shared[i, half * BV + j], f32))
+                    T.reduce_sum(st_frag, ss_part, dim=1, batch=4)
+                    for i in T.Parallel(K):
+                        ss_acc[i] = ss_acc[i] + ss_part[i]
                 for i in T.Parallel(K):
                     ss_shared[i] = ss_acc[i]
                 T.wait_wgmma(0)                                                       # U
@@ -399,137 +377,3 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int, qk_grads_in_dtype: bool =
                         dg[t0 + i, hh] = r_dg[i]
 
     return chunk_bwd_intra
-
-
-def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu_seqlens_cpu,
-                packed=None):
-    """Every per-chunk gradient on the GPU, given the chunk states.
-
-    Args (``Kernels.bwd`` shapes): q, k ``[B, T, Hk, K]``; v, do ``[B, T, Hv, V]``;
-    g_cumsum, beta ``[B, T, Hv]``; A ``[B, T, Hv, C]``; h (chunk-start states) and dS1
-    (state gradient at each chunk's end) ``[NT, Hv, K, V]`` in chunk order, fp32 or both in
-    q's dtype (the kernel variant follows);
-    cu_seqlens / cu_seqlens_cpu ``[N + 1]`` or None (dense); ``packed``: the same
-    inputs already packed (``backward.Packed``; q, k, v, do, A in q's dtype).
-
-    Returns ``(dq, dk, dv, dbeta, dg)`` like
-    :func:`flash_qla.chunk_parallel.chunk_gated_delta_rule_bwd_parallel`: dq, dk
-    ``[B, T, Hk, K]`` in q's / k's dtype (per value head from the kernel, in q's dtype
-    with ``traits.BWD_GVA_GRADS_IN_DTYPE`` or when Hv = Hk, else fp32, group-major
-    ``[G, Tt, Hk, K]``, then summed over the G = Hv / Hk value heads of each q/k head
-    over that outer dimension by :func:`_sum_groups`: deterministic, accumulated in
-    fp32); dv
-    ``[B, T, Hv, V]`` in v's dtype; dbeta ``[B, T, Hv]`` in beta's dtype; dg
-    ``[B, T, Hv]`` fp32. Padding tokens after ``cu_seqlens[-1]`` get zeros.
-    """
-    from .backward import pack
-    from .forward import _DTYPE_NAMES, static_flags
-
-    Hv, K, V = v.shape[2], q.shape[-1], v.shape[-1]
-    dt = q.dtype
-    p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
-                       cu_seqlens)
-    NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
-    states_in_dtype = h.dtype == dt and dS1.dtype == dt      # backward.states_in_dtype
-    state_dtype = dt if states_in_dtype else torch.float32
-    if NT > 0:
-        statics = static_flags(dq.dtype == dt, states_in_dtype)
-        launcher(chunk_bwd_intra_kernel, _DTYPE_NAMES[dt], K, V, *statics)(
-            p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
-            h.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
-            dS1.reshape(NT, Hv, K, V).to(state_dtype).contiguous(),
-            p.layout.cu_seqlens, p.layout.chunk_offsets, p.layout.chunk_idx, float(scale),
-            dq, dk, dv, dbeta, dg)
-    return finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta)
-
-
-def grad_buffers(q, v, num_chunks: int, cu_seqlens, cu_seqlens_cpu) -> tuple:
-    """The outputs the per-chunk gradient kernels write (``chunk_bwd_intra``,
-    ``chunk_bwd_fused``) for ``Kernels.bwd``'s q ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]``:
-    dq, dk ``[G, Tt, Hk, K]`` per value head, group-major (hv = hk * G + g at
-    ``[g, :, hk]``), in q's dtype where Hv = Hk or ``traits.BWD_GVA_GRADS_IN_DTYPE``, else
-    fp32 (the kernels' ``qk_grads_in_dtype``: ``dq.dtype == q.dtype``); dv ``[Tt, Hv, V]``
-    in q's dtype; dbeta, dg ``[Tt, Hv]`` fp32. Zeroed where some rows stay unwritten
-    (padding tokens after ``cu_seqlens[-1]``, or no chunk at all)."""
-    from . import traits
-    from .forward import _zero_padding_rows
-
-    B, T, Hk, K = q.shape
-    Hv, V = v.shape[2:]
-    Tt, dt = B * T, q.dtype
-    zero = num_chunks == 0 or _zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
-    alloc = torch.zeros if zero else torch.empty
-    in_dtype = Hv == Hk or traits.BWD_GVA_GRADS_IN_DTYPE    # dq, dk per value head
-    qk_dtype = dt if in_dtype else torch.float32
-    G = Hv // Hk
-    return (alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device),
-            alloc(G, Tt, Hk, K, dtype=qk_dtype, device=q.device),
-            alloc(Tt, Hv, V, dtype=dt, device=q.device),
-            alloc(Tt, Hv, dtype=torch.float32, device=q.device),
-            alloc(Tt, Hv, dtype=torch.float32, device=q.device))
-
-
-def finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta) -> tuple:
-    """:func:`grad_buffers` filled by a kernel -> ``(dq, dk, dv, dbeta, dg)`` as
-    ``Kernels.bwd`` returns them: the GVA sum of dq, dk (:func:`_sum_groups`), ``[B, T,
-    ...]`` views in the inputs' dtypes (the group sums accumulate in fp32 either way; the
-    casts act only on fp32 per-head grads), dg fp32."""
-    B, T, Hk, K = q.shape
-    Hv, V = v.shape[2:]
-    return (_sum_groups(dq).view(B, T, Hk, K).to(q.dtype),
-            _sum_groups(dk).view(B, T, Hk, K).to(k.dtype),
-            dv.view(B, T, Hv, V).to(v.dtype),
-            dbeta.view(B, T, Hv).to(beta.dtype),
-            dg.view(B, T, Hv))
-
-
-#: Rows of ``[Tt * Hk, K]`` per CTA of :func:`group_sum_kernel` (128 threads, 32 elements
-#: each: four 16-byte loads per value head of the group).
-GROUP_SUM_ROWS = 32
-
-
-@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def group_sum_kernel(dtype: str, K: int):
-    """Build the GVA sum of the per-value-head dq / dk: ``out[m, :] = sum_g x[g, m, :]``
-    over the ``G`` value heads of each q/k head (rows m = token * Hk + q/k head), read
-    once and accumulated in fp32, written once in ``dtype``: one pass at the DRAM rate
-    (torch's reduction over this outer dimension ran at ~1.5 TB/s, v18 call 2).
-
-    Kernel arguments: x ``[G, M, K]`` dtype (``chunk_bwd_intra_kernel``'s group-major
-    dq or dk, M = Tt * Hk); out ``[M, K]`` dtype."""
-    G, M = T.dynamic("G, M")
-    BM = GROUP_SUM_ROWS
-
-    @T.prim_func
-    def group_sum(x: T.Tensor((G, M, K), dtype), out: T.Tensor((M, K), dtype)):
-        with T.Kernel(T.ceildiv(M, BM), threads=128) as bx:
-            acc = T.alloc_fragment((BM, K), "float32")
-            T.clear(acc)
-            for g in T.serial(G):
-                for i, j in T.Parallel(BM, K):
-                    if bx * BM + i < M:
-                        acc[i, j] += x[g, bx * BM + i, j]
-            for i, j in T.Parallel(BM, K):
-                if bx * BM + i < M:
-                    out[bx * BM + i, j] = acc[i, j]
-
-    return group_sum
-
-
-def _sum_groups(dx: torch.Tensor) -> torch.Tensor:
-    """``[G, Tt, Hk, K]`` -> ``[Tt, Hk, K]`` in dx's dtype: the GVA sum over the value
-    heads of each q/k head, deterministic, accumulated in fp32 (:func:`group_sum_kernel`
-    for bf16 / fp16 per-head grads; fp32 ones, ``traits.BWD_GVA_GRADS_IN_DTYPE`` off, sum
-    in torch)."""
-    from .forward import _DTYPE_NAMES
-
-    G, Tt, Hk, K = dx.shape
-    if G == 1:
-        return dx[0]
-    if dx.dtype == torch.float32 or Tt * Hk == 0:
-        return dx.sum(dim=0)
-    out = torch.empty(Tt, Hk, K, dtype=dx.dtype, device=dx.device)
-    launcher(group_sum_kernel, _DTYPE_NAMES[dx.dtype], K)(dx.view(G, Tt * Hk, K),
-                                                           out.view(Tt * Hk, K))
-    return out

@@ -1,15 +1,13 @@
-"""The transposed-state kernels' algorithm (chunk_fwd_t, chunk_fwd_ws), step by step in
-fp64 (CPU).
+"""The forward kernel's algorithm (``kernels/chunk_state_output.py``, chunk_fwd_ws), step
+by step in fp64 (CPU).
 
 One emulated CTA per (sequence, value head), in the kernel's order of operations and
 with its loads: whole 64-row tiles (a tail chunk sees the next sequence's rows, padding
-that may hold NaN, or zeros past the tensor end), gates read clamped to the sequence's
-last token, log2-scaled exponents, R's columns and K's rows past the end zeroed, the
-[C, C] factors selected to ``j <= i < rows``. Compared with the fp64 token-by-token
-recurrence. chunk_fwd_ws differs only in its masking (its aux warpgroup zeroes the q, k,
-v rows past the end in shared memory, so R needs no select); its synchronisation is
-not emulated. The kernels themselves are checked on the GPU
-(test_forward_gpu.py::test_transposed_kernel_matches_recurrence).
+that may hold NaN, or zeros past the tensor end), the q, k, v rows past the end zeroed
+in shared memory (by the aux warpgroup), gates read clamped to the sequence's last
+token, log2-scaled exponents, the [C, C] factors selected to ``j <= i < rows``.
+Compared with the fp64 token-by-token recurrence; the roles' synchronisation is not
+emulated. The kernel itself is checked on the GPU (test_forward_gpu.py).
 """
 
 from __future__ import annotations
@@ -36,12 +34,10 @@ def _rows(x: torch.Tensor, t0: int) -> torch.Tensor:
     return out
 
 
-def emulate_cta(q, k, v, g_cumsum, beta, A, h0, scale, bos, seq_len, h, hk, kernel="t"):
-    """One CTA of chunk_fwd_t (``kernel="t"``) or chunk_fwd_ws (``"ws"``: the aux
-    warpgroup zeroes q, k, v rows past the end once they land, R is not selected):
-    packed q, k ``[Tt, Hk, K]``, v ``[Tt, Hv, V]``, g_cumsum / beta ``[Tt, Hv]``, A
-    ``[Tt, Hv, C]``, h0 ``[K, V]``. Returns (o rows ``[seq_len, V]``, final state
-    ``[K, V]``, chunk-start states ``[chunks, K, V]``)."""
+def emulate_cta(q, k, v, g_cumsum, beta, A, h0, scale, bos, seq_len, h, hk):
+    """One CTA of chunk_fwd_ws: packed q, k ``[Tt, Hk, K]``, v ``[Tt, Hv, V]``, g_cumsum /
+    beta ``[Tt, Hv]``, A ``[Tt, Hv, C]``, h0 ``[K, V]``. Returns (o rows ``[seq_len, V]``,
+    final state ``[K, V]``, chunk-start states ``[chunks, K, V]``)."""
     st = h0.T.clone()                                                 # S^T [V, K]
     last = bos + seq_len - 1
     i = torch.arange(C)
@@ -52,8 +48,7 @@ def emulate_cta(q, k, v, g_cumsum, beta, A, h0, scale, bos, seq_len, h, hk, kern
         rows = min(seq_len - c * C, C)
         q_c, k_c = _rows(q[:, hk], t0), _rows(k[:, hk], t0).clone()    # [C, K]
         v_c, a_c = _rows(v[:, h], t0), _rows(A[:, h], t0)              # [C, V], [C, C]
-        if kernel == "ws":
-            q_c[rows:], k_c[rows:], v_c[rows:] = 0.0, 0.0, 0.0
+        q_c[rows:], k_c[rows:], v_c[rows:] = 0.0, 0.0, 0.0            # the aux's zeroing
         gam = g_cumsum[torch.clamp(t0 + i, max=last), h] * LOG2E      # [C] log2-scaled
         gam_c = g_cumsum[min(t0 + C - 1, last), h] * LOG2E
         eg, ed = torch.exp2(gam), torch.exp2(gam_c - gam)             # [C]
@@ -67,9 +62,6 @@ def emulate_cta(q, k, v, g_cumsum, beta, A, h0, scale, bos, seq_len, h, hk, kern
         ag = torch.where(live, a_c * decay * b[None, :], 0.0)
         p = torch.where(live, qk * decay, 0.0)
         r = v_c.T - eg[None, :] * ks                                  # R [V, C]
-        if kernel == "t":
-            r = torch.where(i[None, :] < rows, r, 0.0)
-        k_c[rows:] = 0.0
         u = r @ ag.T                                                  # U^T [V, C]
         ot = ot * eg[None, :] + u @ p.T
         st = st * eg[C - 1] + (u * ed[None, :]) @ k_c
@@ -93,7 +85,7 @@ def _problem(lens, Hk, Hv, pad, gate, seed):
     return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
 
 
-def _emulate(inp, poison: bool, kernel: str = "t"):
+def _emulate(inp, poison: bool):
     """Every CTA of a problem; ``poison`` fills the padding tokens with NaN / Inf first."""
     g_cumsum, A = flash_qla.chunk_gated_delta_rule_fwd(**inp, backend="torch")[:2]
     q, k, v, beta = (inp[n][0].clone() for n in ("q", "k", "v", "beta"))
@@ -111,7 +103,7 @@ def _emulate(inp, poison: bool, kernel: str = "t"):
         for h in range(Hv):
             o_n, final[n, h], _ = emulate_cta(
                 q, k, v, g_cumsum, beta, A, inp["initial_state"][n, h], scale, cu[n],
-                cu[n + 1] - cu[n], h, h // (Hv // Hk), kernel)
+                cu[n + 1] - cu[n], h, h // (Hv // Hk))
             o[cu[n]:cu[n + 1], h] = o_n
     return o, final
 
@@ -124,24 +116,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["t", "ws"])
 @pytest.mark.parametrize("lens, Hk, Hv, pad, gate", CASES)
-def test_emulated_kernel_matches_recurrence(lens, Hk, Hv, pad, gate, kernel):
+def test_emulated_kernel_matches_recurrence(lens, Hk, Hv, pad, gate):
     inp = _problem(lens, Hk, Hv, pad, gate, seed=len(lens))
-    o, final = _emulate(inp, poison=False, kernel=kernel)
+    o, final = _emulate(inp, poison=False)
     o_ref, final_ref = recurrent_gated_delta_rule(**inp, output_final_state=True)
     valid = sum(lens)
     assert rel_l2(o[:valid], o_ref[0, :valid]) < 1e-10
     assert rel_l2(final, final_ref) < 1e-10
 
 
-@pytest.mark.parametrize("kernel", ["t", "ws"])
 @pytest.mark.parametrize("lens, Hk, Hv, pad, gate", [c for c in CASES if c[3]])
-def test_emulated_kernel_ignores_nan_padding(lens, Hk, Hv, pad, gate, kernel):
+def test_emulated_kernel_ignores_nan_padding(lens, Hk, Hv, pad, gate):
     """NaN / Inf in every input's padding tokens leaves the valid outputs unchanged."""
     inp = _problem(lens, Hk, Hv, pad, gate, seed=7)
-    clean, final_clean = _emulate(inp, poison=False, kernel=kernel)
-    dirty, final_dirty = _emulate(inp, poison=True, kernel=kernel)
+    clean, final_clean = _emulate(inp, poison=False)
+    dirty, final_dirty = _emulate(inp, poison=True)
     valid = sum(lens)
     assert torch.isfinite(dirty[:valid]).all() and torch.isfinite(final_dirty).all()
     assert torch.equal(dirty[:valid], clean[:valid])

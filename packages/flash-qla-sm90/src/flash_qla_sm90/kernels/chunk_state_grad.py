@@ -1,8 +1,9 @@
-"""Reverse state-gradient sweep with dS^T in registers and an auxiliary warpgroup one chunk
-ahead: ``chunk_bwd_dh``'s math in ``chunk_fwd_ws``'s structure.
+"""The backward's reverse sweep: the state gradient dS1 at every chunk's end, and dh0.
 
-One CTA per (sequence, value head), whole 128 x 128 state gradient; three warpgroups,
-roles fixed by ``T.ws`` and meeting only on per-slot mbarriers (as in ``chunk_fwd_ws``):
+One CTA per (sequence, value head) walks the chunks from the last to the first with the
+whole 128 x 128 state gradient, transposed (dS^T) in registers; three warpgroups, roles
+fixed by ``T.ws`` and meeting only on per-slot mbarriers (the structure of
+``chunk_state_output``):
 
 - warpgroups 0, 1 (state, 64 rows of dS^T [V, K] each, in registers): per chunk, walking
   from the last to the first, only the chain that needs dS (gdn-math.md, "Backward of one
@@ -22,19 +23,21 @@ roles fixed by ``T.ws`` and meeting only on per-slot mbarriers (as in ``chunk_fw
   then Ps = scale * G * tril(Q K^T), Ag = (G * A) diag(beta) in place of A, and Qe in
   place of Q.
 
-The first chunk's dS0 is dh0. Slots and barriers as ``chunk_fwd_ws`` (``SLOTS``,
-``AUX_BARRIER``); TileLang's automatic synchronisation is off: every barrier is
-written out.
+The first chunk's dS0 is dh0. Every other gradient is per chunk given S0 (from the
+forward kernel) and dS1 (from here): ``chunk_input_grads`` computes them chunk-parallel.
+Slots and barriers as ``chunk_state_output`` (``SLOTS``, ``AUX_BARRIER``); TileLang's
+automatic synchronisation is off: every barrier is written out. ~2.7 us per chunk step
+on the H200 (docs/perf-notes.md).
 """
 
 import tilelang
 import tilelang.language as T
 
-from .chunk_fwd_ws import AUX_BARRIER, ROWS, SLOTS, STATE_BARRIER
+from .chunk_state_output import AUX_BARRIER, ROWS, SLOTS, STATE_BARRIER
 from .tile_ops import LOG2E, fetch_gates, search_walk_end, store_staged, store_transposed
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 
-#: setmaxnreg budgets (same launch allocation as ``chunk_fwd_ws``: 256 x STATE_REGS +
+#: setmaxnreg budgets (same launch allocation as ``chunk_state_output``: 256 x STATE_REGS +
 #: 128 x AUX_REGS <= 384 x 168). ptxas, sm_90a: at the forward's 208 / 88 the aux
 #: warpgroup spilled 20-40 bytes; at 192 / 120 nothing spills and no WGMMA is serialised.
 STATE_REGS, AUX_REGS = 192, 120
@@ -45,11 +48,35 @@ assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
     **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bool = False,
                            ds1_in_dtype: bool = False, boundary: bool = False):
-    """Build the sweep; kernel arguments, ``warmup`` and ``ds1_in_dtype`` exactly as
-    :func:`chunk_bwd_dh.chunk_bwd_dh_kernel` (no ``block_v``: one CTA owns all V
-    columns; K = V = 128). ``boundary`` (with ``warmup``): each CTA walks only the
-    warm-up chunks after its segment and stores no dS1; ``dh0[n]`` is then the state
-    gradient at segment n's end (where ``chunk_bwd_fused``'s walk of the segment
+    """Build the sweep for q/k/v dtype ``dtype``, K = V = 128.
+
+    Kernel arguments (packed token layout, Tt = total tokens, N sequences):
+        q, k            [Tt, Hk, K]     dtype
+        do              [Tt, Hv, V]     dtype, gradient of o
+        g_cumsum, beta  [Tt, Hv]        fp32
+        A               [Tt, Hv, C]     dtype, gate-free inverse per chunk row
+        cu_seqlens      [N+1]           int32
+        chunk_offsets   [N+1]           int32, first chunk of each sequence
+        dht             [N0, Hv, K, V]  fp32 (read only with has_dht)
+        scale           fp32 scalar
+        dS1             [NT, Hv, K, V]  fp32 (``dtype`` with ``ds1_in_dtype``) out, state
+                                        gradient at each chunk's end
+        dh0             [N, Hv, K, V]   fp32 out
+        seq_end, seq_index  [NW]        int32, read only with ``warmup``
+        log_bound       fp32 scalar, read only with ``warmup``
+
+    ``warmup`` (the bounded segment split's backward, ``flash_qla.segments.WalkEnds``):
+    the sequences of ``cu_seqlens`` are segments, segment n of sequence
+    ``seq_index[n]``, which ends at token ``seq_end[n]``. CTA (n, h) sums the chunk
+    totals of g_cumsum over the chunks after its segment (``tile_ops.search_walk_end``)
+    and starts its reverse sweep at the first chunk boundary where the sum is
+    <= ``log_bound`` (natural log) from a zero dS, or at the sequence's end from
+    ``dht[seq_index[n], h]`` (the rule of ``flash_qla.segments.warmup_ends``). The chunks
+    after the segment are a warm-up that rebuilds dS at its end up to what decayed below
+    the bound; dS1 is stored for the segment's own chunks only, dh0[n] is the state
+    gradient at the segment's start. ``boundary`` (with ``warmup``): each CTA walks only
+    the warm-up chunks after its segment and stores no dS1; ``dh0[n]`` is then the state
+    gradient at segment n's end (where ``chunk_grads_fused``'s walk of the segment
     starts)."""
     C = CHUNK
     assert K == V == 2 * C
@@ -140,7 +167,7 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
             empty = T.alloc_barrier([256] * SLOTS)
             loaded = T.alloc_barrier([128] * SLOTS)           # TMA -> aux, per slot
 
-            if stage:                 # own bytes for ds1_s (see chunk_fwd_ws's h_s)
+            if stage:                 # own bytes for ds1_s (see chunk_state_output's h_s)
                 for i, j in T.Parallel(3, V):
                     ds1_s[i, j] = T.cast(0, dtype)
                 T.sync_threads()

@@ -1,10 +1,11 @@
-"""Fused reverse kernel: the state-gradient sweep and every per-chunk gradient in one CTA.
+"""The whole reverse pass in one kernel: the state-gradient sweep and every input gradient.
 
-Replaces ``chunk_bwd_dh_ws`` (dS1 to global memory) + ``chunk_bwd_intra`` (dS1 back,
-one CTA per chunk) where the chunk states come in q's dtype. One CTA per (sequence or
-segment, value head) walks its chunks from the last to the first with the state gradient
-dS^T ``[V, K]`` in fp32 registers; per chunk, the math of ``chunk_bwd_intra`` (its
-docstring, gdn-math.md "Backward of one chunk") is split over four warpgroups by role,
+The fused alternative to ``chunk_state_grad`` (dS1 to global memory) followed by
+``chunk_input_grads`` (dS1 back, one CTA per chunk); ``flash_qla_sm90.plan`` picks one
+of the two per call. One CTA per (sequence or segment, value head) walks its chunks from
+the last to the first with the state gradient dS^T ``[V, K]`` in fp32 registers; per
+chunk, the math of ``chunk_input_grads`` (its docstring, gdn-math.md "Backward of one
+chunk") is split over four warpgroups by role,
 which exchange tiles only through shared memory and meet on mbarriers (the plan checked
 by ``tests/sm90/test_bwd_fused_algorithm.py``; FlashQLA 0.1.3's backward has the same
 structure, docs/perf-notes.md v12):
@@ -18,13 +19,13 @@ structure, docs/perf-notes.md v12):
 - warpgroup 1, chain: Q K^T, Ps = scale G * tril(Q K^T), Ag, G; ``dU = D (K dS1) + Ps^T
   dO``; ``dX = Ag^T dU`` (= dv) and -E dX; ``A^T M``, ``dN``, ``diag(beta) dN``, ``<dN, K
   K^T>``; ``dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K`` and ``dD``;
-  a whole chunk's dv, and dk in q's dtype, leave through dU's tile (free once the intra
+  a whole chunk's dv and dk leave through dU's tile (free once the intra
   role has read dU, "m") by TMA stores, a tail chunk's by element;
 - warpgroup 2, intra: ``X = V - E K S0``, ``U = Ag X``, ``dAg = dU X^T`` (M, dbeta's
   first term, M * A), ``dP = dO U^T`` (dP G, dGG), ``<-E dX, K S0>``, scale E dO,
   ``dq = (scale E dO) S0^T + (dP G) K`` and ``<Q, (scale E dO) S0^T>``, dbeta, dg; a
-  whole chunk's dq in q's dtype leaves through U's tile (free once the chain role has
-  read U) by one TMA store, a tail chunk or fp32 dq by element.
+  whole chunk's dq leaves through U's tile (free once the chain role has read U) by one
+  TMA store, a tail chunk's by element.
 
 Row factors are moved onto the products where their tiles are:
 ``<dO_i, (Q S0)_i> scale E_i = <Q_i, (scale E dO S0^T)_i>`` (dq's first product) and
@@ -35,9 +36,10 @@ dtype).
 Every tile has one shared slot (no double buffer: 216 KB of slots), so the next chunk's
 tiles load once every role has read the chunk's ("free", 384 arrivals): the chain and
 intra roles arrive before their last global stores (dk; dq, dbeta, dg), which overlap
-the loads, and the load role fetches the next chunk's gates while the chunk runs (v19
-call 5, Nsight Compute: the intra role, which bounds the step, waited ~13% of it for the
-next chunk's tiles after its own end, i.e. the whole load latency); the hand-offs
+the loads, and the load role fetches the next chunk's gates while the chunk runs
+(Nsight Compute, docs/perf-notes.md v19: the intra role, which bounds the step, had
+waited ~13% of it for the next chunk's tiles after its own end, i.e. the whole load
+latency); the hand-offs
 within a chunk are one mbarrier each (128 arrivals of the writing role), all of phase
 ``r % 2`` for the walk's r-th chunk. No barrier is arrived at for chunk r + 1 before
 its waiters have passed it for chunk r: every arrival of chunk r + 1 comes after
@@ -47,7 +49,7 @@ its waits of chunk r except the intra role's "chain_end", and the chain reaches
 its whole chunk r.
 TileLang's automatic synchronisation and shared-memory reuse are off: every barrier is
 written out, and no two buffers share bytes (the planner reuses bytes by program order,
-which role blocks running at once do not follow; perf-notes v17). Cross-warp
+which role blocks running at once do not follow; docs/perf-notes.md v17). Cross-warp
 reductions (TileLang's column sums: named barriers 1 and 2 and a shared workspace) run
 in the intra role only (the chain role's row sums stay within a quad); the roles' own
 named barriers are 3 and up.
@@ -55,9 +57,7 @@ named barriers are 3 and up.
 
 import tilelang
 import tilelang.language as T
-import torch
 
-from .launch import launcher
 from .tile_ops import fetch_gates, stage_gates
 from .traits import CHUNK, PASS_CONFIGS, TARGET
 
@@ -73,13 +73,11 @@ CHAIN_BAR, INTRA_BAR, LOAD_BAR = 3, 4, 5
 @tilelang.jit(target=TARGET, pass_configs={
     **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
     tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True})
-def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
-                           qk_grads_in_dtype: bool = False):
+def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
     """Build the fused reverse kernel for q/k/v dtype ``dtype``, K = V = 128.
 
-    ``has_dht``: the walk starts from ``dht[n]`` (else from zero). ``qk_grads_in_dtype``:
-    dq, dk (per value head) are written in ``dtype``, else in fp32 (as
-    ``chunk_bwd_intra_kernel``).
+    ``has_dht``: the walk starts from ``dht[n]`` (else from zero). dq, dk are written per
+    value head in ``dtype`` (as ``chunk_bwd_intra_kernel``).
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences or segments,
     NT chunk rows of h):
@@ -93,7 +91,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
         chunk_offsets   [N+1]           int32
         dht             [N0, Hv, K, V]  fp32, state gradient at each sequence's end
         scale           fp32 scalar
-        dq, dk          [NG, Tt, Hk, K] fp32 (or dtype) out, per value head hv = hk * NG
+        dq, dk          [NG, Tt, Hk, K] dtype out, per value head hv = hk * NG
                                         + g at [g, :, hk] (group-major)
         dv              [Tt, Hv, V]     dtype out
         dbeta, dg       [Tt, Hv]        fp32 out (dg w.r.t. the raw per-token gate)
@@ -105,7 +103,6 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
     assert K == V == 2 * C == 128
     Tt, Hk, Hv, NG, N, N0, N1, NT = T.dynamic("Tt, Hk, Hv, NG, N, N0, N1, NT")
     f32 = "float32"
-    qk_grad = dtype if qk_grads_in_dtype else f32
 
     @T.prim_func
     def chunk_bwd_fused(
@@ -121,8 +118,8 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
         chunk_offsets: T.Tensor((N1,), "int32"),
         dht: T.Tensor((N0, Hv, K, V), f32),
         scale: T.float32,
-        dq: T.Tensor((NG, Tt, Hk, K), qk_grad),
-        dk: T.Tensor((NG, Tt, Hk, K), qk_grad),
+        dq: T.Tensor((NG, Tt, Hk, K), dtype),
+        dk: T.Tensor((NG, Tt, Hk, K), dtype),
         dv: T.Tensor((Tt, Hv, V), dtype),
         dbeta: T.Tensor((Tt, Hv), f32),
         dg: T.Tensor((Tt, Hv), f32),
@@ -223,9 +220,9 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     # U = Ag X
                     T.barrier_wait(pag, ph)
                     T.gemm(ag_s, vx_s, iv, clear_accum=True)                       # U
-                    if qk_grads_in_dtype:           # the last chunk's dq store has read
-                        T.tma_store_wait()          # U's tile (one elected thread's
-                        T.sync_threads(INTRA_BAR, 128)      # store; the others pass)
+                    T.tma_store_wait()              # the last chunk's dq store has read
+                    T.sync_threads(INTRA_BAR, 128)  # U's tile (one elected thread's
+                    #                                 store; the others pass)
                     T.copy(iv, u_s)
                     T.fence_proxy_async()
                     T.sync_threads(INTRA_BAR, 128)
@@ -290,10 +287,10 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                         vec_s[7, i] = T.exp2(gam_s[C - 1]) * (ss_s[i] + ss_s[i + C])
                     T.barrier_arrive(free)
                     T.barrier_wait(chain_end, ph)   # the chain's last read of U is done
-                    # dq: a whole chunk in q's dtype through U's tile (free until this
-                    # role's next U) and one TMA store; a tail chunk, or fp32 dq, by
-                    # element (TMA would write the next sequence's rows)
-                    if qk_grads_in_dtype and rows == C:
+                    # dq: a whole chunk through U's tile (free until this role's next
+                    # U) and one TMA store; a tail chunk by element (TMA would write the
+                    # next sequence's rows)
+                    if rows == C:
                         T.copy(iv, u_s)
                         T.fence_proxy_async()
                         T.sync_threads(INTRA_BAR, 128)
@@ -320,8 +317,8 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     for i in T.Parallel(C):
                         if i < rows:
                             dg[t0 + i, hh] = r_dg[i]
-                if qk_grads_in_dtype:               # shared memory lives until the
-                    T.tma_store_wait()              # last dq store has read it
+                T.tma_store_wait()                  # shared memory lives until the
+                #                                     last dq store has read it
 
             with T.ws(1):                                         # chain
                 T.inc_max_nreg(CHAIN_REGS)
@@ -411,7 +408,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                     T.wait_wgmma(0)
                     T.barrier_arrive(chain_end)
                     T.barrier_arrive(free)
-                    if qk_grads_in_dtype and rows == C:     # dk through dU's tile too,
+                    if rows == C:                           # dk through dU's tile too,
                         T.tma_store_wait()                  # once dv's store has read it
                         T.sync_threads(CHAIN_BAR, 128)
                         T.copy(cv, du_s)
@@ -493,50 +490,3 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool,
                                     gam_last_next, beta_next)
 
     return chunk_bwd_fused
-
-
-def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
-                cu_seqlens_cpu, packed=None):
-    """The reverse sweep and every per-chunk gradient in one launch
-    (:func:`chunk_bwd_fused_kernel`), given the chunk-start states in q's dtype.
-
-    Args (``Kernels.bwd`` shapes): q, k ``[B, T, Hk, K]``; v, do ``[B, T, Hv, V]``;
-    g_cumsum, beta ``[B, T, Hv]``; A ``[B, T, Hv, C]``; h ``[NT, Hv, K, V]`` in q's dtype
-    (chunk order); dht ``[N, Hv, K, V]`` fp32 or None; cu_seqlens / cu_seqlens_cpu
-    ``[N + 1]`` or None (dense); ``packed``: the same inputs already packed
-    (``backward.Packed``). K = V = 128.
-
-    Returns ``(dq, dk, dv, dbeta, dg, dh0)`` as ``chunk_bwd_intra.chunk_grads`` plus dh0
-    ``[N, Hv, K, V]`` fp32 (the state gradient at each sequence's start). Needs at least
-    one token (the TMA descriptors need every dimension >= 1; the API runs a call without
-    tokens on the ``torch`` backend); ``cu_seqlens_cpu`` may be None (no host sync).
-    Raises ``ValueError`` if h is not in q's dtype, K, V are not 128, or dht has fewer
-    rows than there are sequences."""
-    from .backward import pack
-    from .chunk_bwd_intra import finish_grads, grad_buffers
-    from .forward import _DTYPE_NAMES, static_flags
-
-    Hv, K, V = v.shape[2], q.shape[-1], v.shape[-1]
-    if (K, V) != (128, 128):
-        raise ValueError(f"fused_grads: K, V must be (128, 128), got {(K, V)}")
-    if h.dtype != q.dtype:
-        raise ValueError(f"fused_grads: h must be in q's dtype {q.dtype}, got {h.dtype}")
-    dt = q.dtype
-    p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
-                       cu_seqlens)
-    N = p.layout.num_seqs
-    if dht is not None and dht.shape[0] < N:
-        raise ValueError(f"fused_grads: dht needs a row per sequence, [{N}, Hv, K, V]; "
-                         f"got {tuple(dht.shape)}")
-    NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
-    dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device)
-    has_dht = dht is not None
-    launcher(chunk_bwd_fused_kernel, _DTYPE_NAMES[dt], K, V, has_dht,
-             *static_flags(dq.dtype == dt))(
-        p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
-        h.reshape(max(NT, 1), Hv, K, V) if NT else h.new_zeros(1, Hv, K, V),
-        p.layout.cu_seqlens, p.layout.chunk_offsets,
-        dht.contiguous() if has_dht else dh0, float(scale),
-        dq, dk, dv, dbeta, dg, dh0)
-    return (*finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta), dh0)

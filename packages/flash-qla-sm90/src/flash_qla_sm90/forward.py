@@ -1,0 +1,149 @@
+"""Forward of the Hopper backend: the prepare kernel (gate cumsum + per-chunk inverse),
+then the recurrence kernel (chunk states, output, final state). Shapes follow
+``flash_qla.backend.Kernels.fwd``; :func:`state_output` also serves the backward's
+recompute of h."""
+
+from __future__ import annotations
+
+import torch
+
+from . import plan
+from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+from .kernels.chunk_state_output import chunk_fwd_ws_kernel
+from .kernels.traits import CHUNK
+from .launch import launcher
+from .layout import (
+    DTYPE_NAMES,
+    ChunkLayout,
+    layout_for,
+    no_h,
+    output_alloc,
+    packed,
+    static_flags,
+    total_chunks,
+    walk_args,
+)
+
+
+def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
+                 num_chunks: int | None, alloc, walks=None, h_in_dtype: bool = False,
+                 states_only: bool = False):
+    """Run the recurrence kernel (``chunk_fwd_ws_kernel``) on packed inputs.
+
+    q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
+    A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
+    ``[NT, Hv, K, V]``, fp32 or (``h_in_dtype``) in q's dtype. ``walks``: the bounded
+    split's walk rule (``flash_qla.segments.WalkStarts``), which the kernel searches
+    itself (the sequences of ``layout`` are the segments). ``states_only`` (the
+    backward's recompute of h): o is neither computed nor written (left as allocated).
+    Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
+    """
+    Tt, Hk, K = q.shape
+    Hv, V = v.shape[1:]
+    o = alloc(Tt, Hv, V, dtype=q.dtype, device=q.device)
+    final_state = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
+    has_h0 = initial_state is not None
+    h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
+    store_h = num_chunks is not None
+    # at least one row: h in q's dtype leaves by TMA, whose descriptor needs every
+    # dimension >= 1 (a varlen batch of empty sequences has no chunk); the extra row is
+    # never written, the caller gets the first num_chunks
+    h = (final_state.new_empty(max(num_chunks, 1), Hv, K, V,
+                               dtype=q.dtype if h_in_dtype else torch.float32)
+         if store_h else no_h(q.device, Hv, K, V))
+    kernel = launcher(chunk_fwd_ws_kernel, DTYPE_NAMES[q.dtype], K, V, has_h0, store_h,
+                      *static_flags(walks is not None, h_in_dtype and store_h,
+                                    states_only and store_h))
+    kernel(q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
+           h0, float(scale), o, final_state, h, *walk_args(walks, q.device))
+    return o, final_state, (h[:num_chunks] if store_h else None)
+
+
+def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, scale,
+             initial_state, cu_seqlens_cpu, output_final_state, output_h, keep_states=False):
+    """:func:`state_output` on the packed k, g_cumsum, beta, A, returning ``(o, h,
+    final_state)`` in the layout of ``Kernels.fwd`` (o ``[B, T, Hv, V]``; dense h
+    ``[B, NT/B, ...]`` fp32). ``keep_states`` (without ``output_h``): h's place holds the
+    chunk states the backward reads, ``[NT, Hv, K, V]`` in q's dtype, where
+    :func:`plan.keep_states`, else None."""
+    B, T, _, K = q.shape
+    Hv, V = v.shape[2:]
+    keep = keep_states and not output_h and plan.keep_states(layout, cu_seqlens_cpu).value
+    o, final_state, h = state_output(
+        packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, layout, scale=scale,
+        initial_state=initial_state, alloc=alloc, h_in_dtype=keep,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h or keep else None)
+    if output_h:
+        h = h.view(B, -1, Hv, K, V)
+    return o.view(B, T, Hv, V), h, final_state if output_final_state else None
+
+
+def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool = False):
+    """The call's layout and output allocator, and the prepare kernel on it: returns
+    ``(layout, alloc, k_p [Tt, Hk, K], beta_p [Tt, Hv] fp32, g_cumsum [Tt, Hv] fp32,
+    A [Tt, Hv, C])`` (packed) for the recurrence. ``static``: see
+    :func:`layout.layout_for`."""
+    B, T = q.shape[:2]
+    layout = layout_for(q, cu_seqlens, static)
+    alloc = output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
+    k_p, beta_p = packed(k), packed(beta, torch.float32)         # [Tt, Hk, K], [Tt, Hv]
+    Tt, Hv = beta_p.shape
+    g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
+    A = alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
+    launcher(chunk_prepare_blocked_kernel, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
+        k_p, packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
+        g_cumsum, A)
+    return layout, alloc, k_p, beta_p, g_cumsum, A
+
+
+def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+              output_final_state, output_h, keep_states=False):
+    """``Kernels.fwd``: returns (g_cumsum, A, o, h, final_state); with ``keep_states``,
+    h's place holds the states the backward reads, or None (:func:`plan.keep_states`)."""
+    B, T = q.shape[:2]
+    Hv = v.shape[2]
+    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
+                                                       cu_seqlens_cpu)
+    o, h, final_state = _outputs(
+        q, k_p, v, g_cumsum, beta_p, A, layout, alloc, scale=scale,
+        initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
+        output_final_state=output_final_state, output_h=output_h, keep_states=keep_states)
+    return g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o, h, final_state
+
+
+def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
+              cu_seqlens_cpu, output_final_state, output_h):
+    """``Kernels.fwd_prepared``: the recurrence alone, from a prepare's outputs
+    (g_cumsum ``[B,T,Hv]`` fp32 and A ``[B,T,Hv,C]`` as :func:`chunk_fwd` returned them
+    for the same tokens and chunk boundaries; the exact segment split's passes).
+    Returns (o, h, final_state)."""
+    return _outputs(
+        q, packed(k), v, packed(g_cumsum, torch.float32), packed(beta, torch.float32),
+        packed(A), layout_for(q, cu_seqlens),
+        output_alloc(cu_seqlens, cu_seqlens_cpu, q.shape[0] * q.shape[1]), scale=scale,
+        initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
+        output_final_state=output_final_state, output_h=output_h)
+
+
+def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+               starts, keep_states=False):
+    """``Kernels.fwd_warmup``: the bounded segment split in one pass
+    (``flash_qla.segments.warmup_fwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
+    segments (``[Nseg + 1]``); ``starts`` is the walk rule
+    (``flash_qla.segments.WalkStarts``), searched by the kernel. Returns ``(g_cumsum
+    [B,T,Hv], A [B,T,Hv,C], o [B,T,Hv,V], final_state [Nseg,Hv,K,V])``, the final state
+    of every segment; with ``keep_states`` (``Kernels.keeps_states``) also the chunk
+    states ``chunk_bwd_warmup`` reads (``[NT, Hv, K, V]`` in q's dtype), or None where
+    :func:`plan.keep_states` says no."""
+    B, T = q.shape[:2]
+    Hv, V = v.shape[2:]
+    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
+                                                       cu_seqlens_cpu, static=True)
+    keep = keep_states and plan.keep_states(layout, cu_seqlens_cpu).value
+    o, final_state, h = state_output(
+        packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout, scale=scale,
+        initial_state=initial_state, alloc=alloc, walks=starts,
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if keep else None, h_in_dtype=keep)
+    outs = (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
+            final_state)
+    return (*outs, h) if keep_states else outs

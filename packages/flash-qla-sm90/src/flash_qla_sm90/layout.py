@@ -1,0 +1,213 @@
+"""Shared host helpers of both directions: where the chunks are, and how the kernels'
+arguments are laid out.
+
+Every kernel works on the packed token layout ``[Tt, H, D]`` (dense ``[B, T]`` inputs are
+B sequences of length T; :func:`packed`). A chunk never straddles two sequences, so the
+chunk list depends on ``cu_seqlens``. Its length is only known on the device; the grids
+use the upper bound ``ceil(Tt / C) + N`` and mark the unused rows with -1, which keeps
+the path free of host syncs (:class:`ChunkLayout`); under CUDA-graph capture the caches
+below are bypassed (:func:`layout_for`), except for offsets that never change
+(:func:`static_layout`). The rest: dtype names, static flags and placeholders of the
+launches, chunk counts, the SM count.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from flash_qla.utils import tensor_cache
+from flash_qla.validation import is_capturing
+
+from .kernels.traits import CHUNK
+
+#: torch dtype -> the dtype name the kernel builders take.
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    cu_seqlens: torch.Tensor      # [N+1] int32
+    chunk_offsets: torch.Tensor   # [N+1] int32, first chunk of each sequence
+    chunk_idx: torch.Tensor       # [NTmax, 2] int32, (sequence, chunk in sequence) or -1
+    num_seqs: int                 # N
+    num_chunks_max: int           # NTmax >= real number of chunks
+    num_chunks: int | None        # the real number, when known on the host (dense)
+
+
+def _build(cu_seqlens: torch.Tensor, num_tokens: int, num_chunks: int | None = None) -> ChunkLayout:
+    cu = cu_seqlens.to(torch.int32)
+    n = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]                                          # [N]
+    chunks = (lens + CHUNK - 1) // CHUNK                             # [N]
+    offsets = torch.zeros(n + 1, dtype=torch.int32, device=cu.device)
+    offsets[1:] = torch.cumsum(chunks, 0)                            # [N+1]
+    nt_max = max(1, -(-num_tokens // CHUNK) + n)
+    idx = torch.arange(nt_max, dtype=torch.int32, device=cu.device)  # [NTmax]
+    seq = torch.searchsorted(offsets[1:], idx, right=True).clamp_(max=max(n - 1, 0))
+    live = idx < offsets[-1]
+    chunk_idx = torch.stack(
+        [torch.where(live, seq.to(torch.int32), -1),
+         torch.where(live, idx - offsets[seq], -1)], dim=1).contiguous()  # [NTmax, 2]
+    return ChunkLayout(cu, offsets, chunk_idx, n, nt_max, num_chunks)
+
+
+@tensor_cache
+def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
+    """Layout for packed sequences (cached while the same cu_seqlens tensor is passed)."""
+    return _build(cu_seqlens, num_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
+    """Layout for B sequences of length T (the 64 most recent shapes are cached)."""
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
+    return _build(cu, batch * seq_len, num_chunks=batch * -(-seq_len // CHUNK))
+
+
+#: Attribute of a static offsets tensor: ``{num_tokens: layout}``, only ever added to
+#: (a graph may have captured any of them).
+_KEPT = "_flash_qla_chunk_layouts"
+
+
+def static_layout(cu_seqlens: torch.Tensor, num_tokens: int, capturing: bool) -> ChunkLayout:
+    """Layout for offsets that never change once made: a split's segment offsets
+    (``flash_qla.segments``, whose plan keeps them, for the process's life once a graph
+    captured them). Built outside any capture and kept on the tensor itself, one per
+    token count (a dense input and a padded varlen one can share a plan), so a capture
+    reuses it instead of recording the ~15 index kernels of :func:`_build` into the graph
+    (+34 us per replay of a bounded forward, docs/perf-notes.md v16). Inside a capture,
+    with no layout kept for the count, it is built uncached: its tensors are the graph's,
+    filled only when it replays, so nothing outside the graph may see them. (A plan
+    first built inside a capture never reaches an eager call: ``segments._plan_for``.)"""
+    kept = getattr(cu_seqlens, _KEPT, None)
+    if kept is not None and num_tokens in kept:
+        return kept[num_tokens]
+    layout = _build(cu_seqlens, num_tokens)
+    if not capturing:
+        if kept is None:
+            kept = {}
+            setattr(cu_seqlens, _KEPT, kept)
+        kept[num_tokens] = layout
+    return layout
+
+
+def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
+               static: bool = False) -> ChunkLayout:
+    """The call's chunk layout; cached in eager mode, rebuilt inside a CUDA-graph capture
+    (the graph then recomputes it from the live ``cu_seqlens`` at every replay, and no
+    cache entry points into the graph's memory). ``static``: ``cu_seqlens`` never
+    changes (a split's segment offsets): one layout built outside any capture serves
+    every call and capture (:func:`static_layout`)."""
+    B, T = q.shape[:2]
+    if static and cu_seqlens is not None:
+        return static_layout(cu_seqlens, B * T, is_capturing(q.device))
+    dense, varlen = dense_layout, varlen_layout
+    if is_capturing(q.device):
+        dense, varlen = dense.__wrapped__, varlen.__wrapped__        # uncached builders
+    return dense(B, T, q.device) if cu_seqlens is None else varlen(cu_seqlens, B * T)
+
+
+def packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, T, ...] -> contiguous [B*T, ...], optionally cast."""
+    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return (x if dtype is None or x.dtype == dtype else x.to(dtype)).contiguous()
+
+
+def static_flags(*flags: bool) -> tuple[bool, ...]:
+    """Trailing boolean arguments of a kernel builder without its trailing False ones,
+    so a call with the defaults hits the same in-memory kernel (and launcher) as a call
+    that omits them."""
+    flags = tuple(flags)
+    while flags and not flags[-1]:
+        flags = flags[:-1]
+    return flags
+
+
+def zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens: int) -> bool:
+    """Whether outputs need zero-init: tokens after cu_seqlens[-1] belong to no sequence."""
+    if cu_seqlens is None:
+        return False
+    if cu_seqlens_cpu is not None:
+        return int(cu_seqlens_cpu[-1]) < num_tokens
+    return True          # unknown without a host sync: zero-init
+
+
+def output_alloc(cu_seqlens, cu_seqlens_cpu, num_tokens: int):
+    """torch.zeros where tokens past ``cu_seqlens[-1]`` (padding) get outputs, else
+    torch.empty."""
+    padded = zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens)
+    return torch.zeros if padded else torch.empty
+
+
+def chunks_known(layout: ChunkLayout, cu_seqlens_cpu) -> bool:
+    """Whether :func:`total_chunks` answers without a host sync (dense, or host offsets)."""
+    return layout.num_chunks is not None or cu_seqlens_cpu is not None
+
+
+def host_chunks(cu_seqlens_cpu) -> list[int]:
+    """Chunks of each sequence, from host offsets ``[N + 1]`` (in Python: a few host
+    tensor ops cost more)."""
+    cu = cu_seqlens_cpu.tolist()
+    return [-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:])]
+
+
+def total_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> int:
+    """Rows of a per-chunk buffer (h, dS1): the chunk count, exact for dense inputs and
+    host offsets; inside a CUDA-graph capture without them the layout's upper bound
+    (the kernels index rows by ``chunk_offsets``, rows past the real count stay
+    unwritten and unread); else read from the device (one sync)."""
+    if layout.num_chunks is not None:
+        return layout.num_chunks
+    if cu_seqlens_cpu is not None:
+        return sum(host_chunks(cu_seqlens_cpu))
+    if is_capturing(layout.cu_seqlens.device):
+        return layout.num_chunks_max
+    return int(layout.chunk_offsets[-1].item())   # host sync: h needs its size
+
+
+def walk_chunks(layout: ChunkLayout, cu_seqlens_cpu) -> tuple[int, int]:
+    """``(longest, total)``: the chunks of the longest sequence (or segment) of a call and
+    of all of them, without a host sync: exact for dense inputs and host offsets
+    (``cu_seqlens_cpu``), else upper bounds from the token count (one sequence holding
+    every token)."""
+    if layout.num_chunks is not None:                        # dense: N equal sequences
+        return layout.num_chunks // max(layout.num_seqs, 1), layout.num_chunks
+    if cu_seqlens_cpu is not None:
+        chunks = host_chunks(cu_seqlens_cpu)
+        return max(chunks, default=0), sum(chunks)
+    bound = layout.num_chunks_max - layout.num_seqs          # ceil(Tt / C)
+    return bound, bound
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the waves of the cost model)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def no_walk(device: torch.device) -> torch.Tensor:
+    """``[1]`` int32: the ``seq_start`` / ``seq_index`` of a forward launch without
+    warm-up, and the ``seq_end`` / ``seq_index`` of a sweep without it: placeholders
+    their kernels never read."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def no_h(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
+    """``[1, Hv, K, V]`` fp32: the h of a launch that stores none (never read; Hv, K, V
+    must match the call's, which the launcher checks)."""
+    return torch.empty(1, Hv, K, V, dtype=torch.float32, device=device)
+
+
+def walk_args(walks, device: torch.device) -> tuple:
+    """The last three arguments of a kernel that searches the bounded split's walks
+    (``chunk_state_output`` / ``chunk_state_grad`` with ``warmup``): the rule's
+    ``kernel_args`` (``flash_qla.segments.WalkStarts`` / ``WalkEnds``), or unread
+    placeholders."""
+    if walks is None:
+        return no_walk(device), no_walk(device), 0.0
+    return walks.kernel_args

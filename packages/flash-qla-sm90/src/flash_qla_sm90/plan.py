@@ -1,0 +1,274 @@
+"""Every per-call choice of the Hopper backend, each returned with its reason.
+
+Fixed on this backend (no choice): the prepare kernel (``chunk_cumsum_inverse``), the
+forward kernel (``chunk_state_output``, one CTA per (sequence, value head), the whole
+state in registers), the chunk states h and dS1 in q's dtype between the kernels, and dq,
+dk per value head in q's dtype, summed over each GVA group by ``group_sum``. Chosen per
+call, here:
+
+- :func:`keep_states`: whether the training forward stores h for its backward, or the
+  backward recomputes it;
+- :func:`segment_len`: the automatic segment split of long sequences at few heads,
+  exact (three passes and a scan) or bounded (one pass with warm-up walks), from the
+  cost model below;
+- :func:`fused_backward`: the fused reverse kernel (``chunk_grads_fused``) or the sweep
+  and the per-chunk gradient kernel (``chunk_state_grad`` + ``chunk_input_grads``).
+
+Each returns a :class:`Choice` (the value and why). The choices are cached per argument
+values and logged at debug level when first made (``logging.getLogger(
+"flash_qla_sm90.plan")``), so a training loop logs each distinct shape once. Variants
+that lost a measurement (the per-call tiling of a split-state forward, the fp32 prepare,
+the tiled reverse sweep, fp32 states between the kernels) are kept under the git tag
+``retired-sm90-variants``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, NamedTuple
+
+from .kernels.traits import CHUNK
+from .layout import ChunkLayout, chunks_known, walk_chunks
+
+log = logging.getLogger(__name__)
+
+# ---- cost model (H200 fits; docs/perf-notes.md has the runs) ------------------------
+
+#: One chunk step of a ``chunk_state_output`` CTA, us (3.72-3.97 on 16/16 4x8192, 16/32
+#: 8x4096, 2/8 1x2048; ``benchmark/tune_chunk_fwd.py``'s "us/chunk"). A grid of n CTAs
+#: costs ceil(n / SMs) x chunks x this.
+FWD_CHUNK_US = 3.85
+
+#: The prepare kernel per (chunk, value head), us over the whole GPU (0.0153-0.0167 on
+#: 16/32 8x4096, 16/16 4x8192, 2/8 1x32768).
+PREPARE_US_PER_CHUNK_HEAD = 0.016
+
+#: The exact segment split: the lengths tried; one step of the scan over segment
+#: positions and the split's fixed work (host planning, index tensors, launches), fitted
+#: by least squares on 12 split rows (``benchmark/fit_segment_cost.py --exact``;
+#: residuals up to +-0.76 ms: the split path is host-bound). Segments of 1024 and 2048
+#: lost to 4096 on every shape measured and to no split on most. The fixed cost was
+#: fitted before plans were cached per lengths, which later measured the split 25-46%
+#: faster: an overestimate that keeps the planner conservative (docs/perf-notes.md v5).
+SEGMENT_LENS = (4096, 8192)
+SEGMENT_SCAN_STEP_US = 45.0
+SEGMENT_FIXED_US = 730.0
+#: The predicted gain a split must bring over the unsplit forward.
+SEGMENT_MIN_GAIN = 0.05
+
+#: The bounded segment split (one pass of ``chunk_state_output`` with warm-up walks;
+#: ``flash_qla.segments.warmup_fwd``): the lengths tried, shortest first. The planner
+#: takes the shortest whose segments x Hv CTAs fit one wave (one CTA per SM), so its
+#: worst case, gates that never decay to the bound (every walk back to its sequence
+#: start), costs about the unsplit pass; and only when its predicted time beats the
+#: unsplit forward's by ``SEGMENT_MIN_GAIN``: ``(segment chunks + WARMUP_CHUNKS)`` chunk
+#: steps + the prepare, but at least ``WARMUP_HOST_US``, the host time of an eager
+#: bounded-split call (measured GPU-bound at 0.24-0.55 ms on five 1x32768 rows against
+#: graph replays of 0.21-0.58: the host floor is at most ~250 us).
+WARMUP_SEGMENT_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+#: A typical walk at the benchmark's 'model' gates (Qwen3-Next init: the slowest heads
+#: need ~4000 tokens to decay to 2^-9, most far fewer), in chunks.
+WARMUP_CHUNKS = 16
+WARMUP_HOST_US = 250.0
+
+#: The backward's choice (``benchmark/tune_chunk_bwd.py``): one chunk step of the fused
+#: kernel's CTA (11.25-12.3 at 128 CTAs); one chunk step of ``chunk_state_grad`` (2/8
+#: 1x32768: the two kernels' 1.92 ms less the per-chunk kernel's share); one
+#: ``chunk_input_grads`` CTA (one per chunk and value head, one per SM: 1045 us / 62
+#: waves at 4/16 1x32768).
+BWD_FUSED_STEP_US = 11.8
+BWD_SWEEP_STEP_US = 2.7
+BWD_INTRA_CTA_US = 16.9
+
+
+class Choice(NamedTuple):
+    """A planned choice and the reason for it (one line)."""
+    value: Any
+    reason: str
+
+
+def _chosen(what: str, choice: Choice) -> Choice:
+    log.debug("%s: %s (%s)", what, choice.value, choice.reason)
+    return choice
+
+
+# ---- whether the forward keeps h for the backward -------------------------------------
+
+def keep_states(layout: ChunkLayout, cu_seqlens_cpu) -> Choice:
+    """Whether a training forward stores its chunk states h (in q's dtype) for the
+    backward, which then reads them instead of recomputing them: where the chunk count,
+    h's size, is known without a host sync (dense inputs, or host offsets). Elsewhere
+    the backward recomputes h."""
+    return _keep_states(layout.num_chunks is not None, chunks_known(layout, cu_seqlens_cpu))
+
+
+@functools.lru_cache(maxsize=4)
+def _keep_states(dense: bool, known: bool) -> Choice:
+    if known:
+        why = "dense input" if dense else "host offsets (cu_seqlens_cpu)"
+        return _chosen("keep h for the backward",
+                       Choice(True, f"{why}: the chunk count is known without a sync"))
+    return _chosen("keep h for the backward",
+                   Choice(False, "device-only cu_seqlens: h's size would need a host sync; "
+                                 "the backward recomputes h"))
+
+
+# ---- the forward's cost ---------------------------------------------------------------
+
+def waves(num_seqs: int, Hv: int, sm_count: int) -> int:
+    """Rounds of one CTA per SM for one CTA per (sequence, value head)."""
+    return -(-num_seqs * Hv // sm_count)
+
+
+def chunks_of(lens) -> list[int]:
+    """Chunks of each non-empty sequence of ``lens`` tokens."""
+    return [-(-n // CHUNK) for n in lens if n > 0]
+
+
+def fwd_kernel_us(chunks: list[int], Hv: int, sm_count: int) -> float:
+    """Predicted ``chunk_state_output`` time, us, of sequences of ``chunks`` chunks (all
+    > 0): the longest sequence's chunks, in waves of one CTA per SM."""
+    return max(chunks) * waves(len(chunks), Hv, sm_count) * FWD_CHUNK_US
+
+
+def prepare_us(chunks: list[int], Hv: int) -> float:
+    """Predicted prepare time, us: ``PREPARE_US_PER_CHUNK_HEAD`` per (chunk, head)."""
+    return sum(chunks) * Hv * PREPARE_US_PER_CHUNK_HEAD
+
+
+def predicted_fwd_us(lens: list[int], Hv: int, sm_count: int) -> float:
+    """Predicted unsplit forward time (prepare + recurrence), us, of packed sequences of
+    ``lens`` tokens."""
+    chunks = chunks_of(lens)
+    if not chunks:
+        return 0.0
+    return fwd_kernel_us(chunks, Hv, sm_count) + prepare_us(chunks, Hv)
+
+
+def bounded_gpu_us(lens: list[int], Hv: int, seg: int) -> float:
+    """Predicted GPU time, us, of the bounded split at segment length ``seg``: one pass
+    of ``seg`` chunks + ``WARMUP_CHUNKS`` warm-up per CTA (one wave), and the prepare."""
+    return ((seg // CHUNK + WARMUP_CHUNKS) * FWD_CHUNK_US + prepare_us(chunks_of(lens), Hv))
+
+
+def exact_passes_us(lens: list[int], Hv: int, sm_count: int, seg: int) -> float:
+    """Predicted time, us, of the exact split's three passes and one prepare over the
+    segments of length ``seg`` (the planner adds the scan and the fixed cost)."""
+    pieces = [-(-min(seg, n - s) // CHUNK) for n in lens for s in range(0, n, seg)]
+    return 3 * fwd_kernel_us(pieces, Hv, sm_count) + prepare_us(pieces, Hv)
+
+
+# ---- the segment split ----------------------------------------------------------------
+
+def segment_len(bounds, Hv: int, sm_count: int, bounded: bool = False) -> Choice:
+    """The automatic segment split of a call (``Kernels.plan_segment_len``): the segment
+    length, or None (no split). ``bounds``: host sequence offsets ``[N + 1]``;
+    ``bounded``: for the one-pass bounded split (:func:`plan_bounded`), else for the
+    exact one (:func:`plan_exact`). Cached per argument values: a training loop or a
+    server repeats the same lengths, and an eager call's host time is the bounded
+    split's floor (the planner costs ~50 us of Python, the cache key ~1)."""
+    return _segment_len(tuple(bounds), Hv, sm_count, bounded)
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_len(bounds: tuple[int, ...], Hv: int, sm_count: int, bounded: bool) -> Choice:
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    plan = plan_bounded if bounded else plan_exact
+    return _chosen("bounded segment split" if bounded else "exact segment split",
+                   plan(lens, Hv, sm_count))
+
+
+def plan_bounded(lens: list[int], Hv: int, sm_count: int,
+                 host_us: float = WARMUP_HOST_US) -> Choice:
+    """The bounded split's segment length (``WARMUP_SEGMENT_LENS``), or None: the
+    shortest whose segments x Hv CTAs fit one wave, if its predicted time (at least
+    ``host_us``) beats the unsplit forward's by ``SEGMENT_MIN_GAIN``."""
+    longest = max(lens, default=0)
+    if longest <= min(WARMUP_SEGMENT_LENS):
+        return Choice(None, f"longest sequence {longest} <= {min(WARMUP_SEGMENT_LENS)} "
+                            "tokens: nothing to split")
+    if len(lens) * Hv >= sm_count:
+        return Choice(None, f"{len(lens)} sequences x {Hv} heads fill the {sm_count} SMs")
+    unsplit = predicted_fwd_us(lens, Hv, sm_count)
+    for seg in WARMUP_SEGMENT_LENS:
+        if seg >= longest:
+            return Choice(None, f"no segment length below {longest} tokens fits one wave")
+        ctas = sum(-(-n // seg) for n in lens if n > 0) * Hv
+        if ctas > sm_count:
+            continue                                      # more than one wave
+        us = max(bounded_gpu_us(lens, Hv, seg), host_us)  # an eager call's host floor
+        if us < unsplit * (1 - SEGMENT_MIN_GAIN):
+            return Choice(seg, f"{ctas} CTAs fit one wave: predicted {us:.0f} us against "
+                               f"{unsplit:.0f} unsplit")
+        return Choice(None, f"segments of {seg} predicted {us:.0f} us against "
+                            f"{unsplit:.0f} unsplit: less than {SEGMENT_MIN_GAIN:.0%} gain")
+    return Choice(None, "no segment length fits one wave")
+
+
+def plan_exact(lens: list[int], Hv: int, sm_count: int) -> Choice:
+    """The exact split's segment length (``SEGMENT_LENS``), or None: the length whose
+    predicted time beats the unsplit forward's by at least ``SEGMENT_MIN_GAIN``. The
+    split costs one prepare and three passes over all segments (``flash_qla.segments``
+    with ``fwd_prepared``: local states, transitions, output), one scan step per segment
+    position of the longest sequence (``SEGMENT_SCAN_STEP_US``) and
+    ``SEGMENT_FIXED_US``."""
+    longest = max(lens, default=0)
+    if longest <= min(SEGMENT_LENS):                  # O(N) host work per call, no more
+        return Choice(None, f"longest sequence {longest} <= {min(SEGMENT_LENS)} tokens: "
+                            "nothing to split")
+    unsplit = predicted_fwd_us(lens, Hv, sm_count)
+    best, best_us = None, unsplit * (1 - SEGMENT_MIN_GAIN)
+    for seg in SEGMENT_LENS:
+        steps = -(-longest // seg)                    # scan positions
+        if steps < 2:
+            continue                                  # no sequence is split at this length
+        us = (exact_passes_us(lens, Hv, sm_count, seg) + steps * SEGMENT_SCAN_STEP_US
+              + SEGMENT_FIXED_US)
+        if us < best_us:
+            best, best_us = seg, us
+    if best is None:
+        return Choice(None, f"no split predicted {SEGMENT_MIN_GAIN:.0%} faster than "
+                            f"{unsplit:.0f} us unsplit")
+    return Choice(best, f"predicted {best_us:.0f} us against {unsplit:.0f} unsplit")
+
+
+# ---- the backward's kernels -----------------------------------------------------------
+
+def fused_pays(longest: int, total: int, Hv: int, sm_count: int) -> bool:
+    """Whether ``chunk_grads_fused`` is predicted faster than ``chunk_state_grad`` +
+    ``chunk_input_grads`` for sequences (or segments) whose longest has ``longest``
+    chunks, ``total`` in all. Both the fused kernel and the sweep walk each (sequence,
+    value head) in one CTA, so each takes its chunk step times the larger of the longest
+    walk and the chunks per SM; the per-chunk kernel adds one CTA per (chunk, value
+    head), one per SM at a time::
+
+        fused_step * spread  <  sweep_step * spread + intra_cta * total * Hv / SMs,
+        spread = max(longest, total * Hv / SMs)
+
+    (``BWD_FUSED_STEP_US``, ``BWD_SWEEP_STEP_US``, ``BWD_INTRA_CTA_US``). On the H200,
+    with walks of equal length, the fused kernel wins from about 70 CTAs (the bounded
+    split's segments at 16 heads, 8 x 4096 at 16 heads); one sequence at 16 heads, or
+    one long sequence among many short ones, runs the two kernels."""
+    if total * Hv == 0:
+        return False
+    per_sm = total * Hv / sm_count
+    spread = max(longest, per_sm)
+    return (BWD_FUSED_STEP_US * spread
+            < BWD_SWEEP_STEP_US * spread + BWD_INTRA_CTA_US * per_sm)
+
+
+def fused_backward(layout: ChunkLayout, cu_seqlens_cpu, Hv: int, sm_count: int) -> Choice:
+    """Whether the backward of a call (or of a split's segments: ``layout`` holds them)
+    runs the fused reverse kernel (:func:`fused_pays` on the call's walks; without host
+    offsets their lengths are bounded by the token count, as if one sequence held every
+    token, which keeps the two kernels)."""
+    return _fused_backward(*walk_chunks(layout, cu_seqlens_cpu), Hv, sm_count)
+
+
+@functools.lru_cache(maxsize=256)
+def _fused_backward(longest: int, total: int, Hv: int, sm_count: int) -> Choice:
+    fused = fused_pays(longest, total, Hv, sm_count)
+    walks = f"walks of <= {longest} chunks, {total} in all, {Hv} heads, {sm_count} SMs"
+    kernels = "chunk_grads_fused" if fused else "chunk_state_grad + chunk_input_grads"
+    return _chosen("fused backward", Choice(fused, f"{kernels}: {walks}"))

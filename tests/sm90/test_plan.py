@@ -1,0 +1,158 @@
+"""The per-call choices of ``flash_qla_sm90.plan`` (CPU: the rules, not the kernels).
+The planner imports no TileLang."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from flash_qla_sm90 import plan
+from flash_qla_sm90.layout import dense_layout, static_flags, varlen_layout, walk_chunks
+
+SMS = 132                         # the H200's SMs, which the cost model was fitted on
+
+# Same-run forward rows on the H200 (benchmark/results/H200-v5-2026-11-30/call2: H200.md,
+# and H200-seg-off.md for 2/8, never split; eager ms): shape -> (bounds, Hv, measured ms).
+MEASURED_FWD = {
+    "16/32 8x4096": ([b * 4096 for b in range(9)], 32, 0.750),
+    "16/64 2x16384": ([0, 16384, 32768], 64, 1.485),
+    "16/64 1x32768": ([0, 32768], 64, 2.386),
+    "16/16 4x8192": ([b * 8192 for b in range(5)], 16, 0.614),
+    "2/8 1x32768": ([0, 32768], 8, 1.922),
+    "2/8 1x8192": ([0, 8192], 8, 0.506),
+}
+
+
+@pytest.mark.parametrize("shape", list(MEASURED_FWD))
+def test_forward_cost_model_reproduces_the_measured_rows(shape):
+    """predicted_fwd_us (the recurrence's fitted per-chunk cost + the prepare's per
+    (chunk, head) cost) within 8% of the forward measured beside the peers."""
+    bounds, Hv, ms = MEASURED_FWD[shape]
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    assert abs(plan.predicted_fwd_us(lens, Hv, SMS) / 1e3 - ms) < 0.08 * ms
+
+
+def test_exact_split_only_for_few_head_long_sequences():
+    """One long sequence at few heads splits (8 (sequence, head) pairs on 132 SMs),
+    predicted cheaper than unsplit; grids that fill the GPU, short sequences and empty
+    inputs do not."""
+    seg = plan.segment_len([0, 32768], 8, SMS).value
+    assert seg in plan.SEGMENT_LENS
+    pieces = [seg // 64] * (32768 // seg)                         # chunks per segment
+    split_us = (3 * plan.fwd_kernel_us(pieces, 8, SMS) + plan.prepare_us(pieces, 8)
+                + (32768 // seg) * plan.SEGMENT_SCAN_STEP_US + plan.SEGMENT_FIXED_US)
+    assert split_us < plan.predicted_fwd_us([32768], 8, SMS)
+
+
+@pytest.mark.parametrize("bounds, Hv", [([b * 4096 for b in range(9)], 32), ([0, 32768], 64),
+                                        ([0, 1000], 8), ([0, 8192], 8), ([0, 0], 8), ([0], 8)],
+                         ids=["8x4096-32h", "1x32768-64h", "1x1000", "1x8192", "empty", "none"])
+def test_exact_split_declined(bounds, Hv):
+    choice = plan.segment_len(bounds, Hv, SMS)
+    assert choice.value is None and choice.reason
+
+
+@pytest.mark.parametrize("bounds, Hv, seg", [
+    ([0, 32768], 8, 2048),                      # 16 segments x 8 heads = 128 CTAs
+    ([0, 32768], 16, 4096),
+    ([0, 32768], 4, 1024),
+    ([0, 32768], 64, 16384),                    # 64 pairs -> 128 CTAs
+    ([0, 16384], 8, 1024),
+    ([0, 8192], 8, 512),                        # 16 x 8 = 128 CTAs
+    ([0, 60000, 60007, 60307], 4, 2048),        # 30 + 1 + 1 segments x 4
+    ([b * 8192 for b in range(5)], 16, 4096),   # 64 pairs -> 128 CTAs
+])
+def test_bounded_split_fills_one_wave(bounds, Hv, seg):
+    """The bounded split's plan: the shortest segment length whose segments x Hv CTAs
+    fit one wave of 132 SMs, for few (sequence, head) pairs."""
+    choice = plan.segment_len(bounds, Hv, SMS, bounded=True)
+    assert choice.value == seg, choice
+
+
+@pytest.mark.parametrize("bounds, Hv", [([b * 4096 for b in range(9)], 32), ([0, 32768], 132),
+                                        ([0, 512], 8), ([0, 0], 8), ([0], 8)],
+                         ids=["8x4096-32h", "grid-full", "short", "empty", "none"])
+def test_bounded_split_declined(bounds, Hv):
+    """Nothing where the grid already fills the GPU or no sequence is longer than the
+    shortest length."""
+    choice = plan.segment_len(bounds, Hv, SMS, bounded=True)
+    assert choice.value is None and choice.reason
+
+
+def test_bounded_split_needs_to_beat_the_host_floor():
+    """1 x 8192 at 8 heads (~0.5 ms unsplit) splits at the fitted host floor
+    (``WARMUP_HOST_US``), not below a 600 us one."""
+    assert plan.plan_bounded([8192], 8, SMS).value == 512
+    choice = plan.plan_bounded([8192], 8, SMS, host_us=600.0)
+    assert choice.value is None and "gain" in choice.reason
+
+
+@pytest.mark.parametrize("longest, total, Hv, fused", [
+    (512, 512, 16, False),          # one sequence at 16 heads: 16 CTAs, two kernels
+    (64, 512, 16, True),            # 8 segments (or 8 x 4096) at 16 heads: 128 CTAs
+    (64, 512, 32, True),            # 8 x 4096 at 32 heads: two waves
+    (8, 128, 8, True),              # the bounded split of 2/8 1x8192: 128 CTAs
+    (469, 1469, 16, False),         # one long sequence among 100 short ones
+    (512, 1024, 8, False),          # two sequences at 8 heads
+    (64, 384, 16, True),            # 96 CTAs: above the break-even (~71)
+    (64, 256, 16, False),           # 64 CTAs: below it
+    (0, 0, 16, False),              # no chunk
+])
+def test_fused_backward_where_its_cost_rule_says(longest, total, Hv, fused):
+    """``fused_pays``: the fused reverse kernel for enough (walk, head) CTAs of about
+    equal length, the sweep + per-chunk kernel for few CTAs or uneven walks (the fused
+    kernel's time is its longest walk's)."""
+    assert plan.fused_pays(longest, total, Hv, SMS) is fused
+
+
+def test_walk_chunks_without_a_host_sync():
+    """``layout.walk_chunks``: exact for dense inputs and host offsets, else the token
+    count's bound (one sequence holding every token)."""
+    assert walk_chunks(dense_layout(4, 1000, torch.device("cpu")), None) == (16, 64)
+    cu = torch.tensor([0, 3000, 3007, 3007, 4207], dtype=torch.int32)
+    layout = varlen_layout(cu, 4300)
+    assert walk_chunks(layout, cu) == (47, 47 + 1 + 0 + 19)
+    assert walk_chunks(layout, None) == (68, 68)                    # ceil(4300 / 64)
+
+
+def test_fused_backward_plans_from_the_walks():
+    dense = dense_layout(8, 4096, torch.device("cpu"))              # 8 x 64 chunks
+    assert plan.fused_backward(dense, None, 16, SMS).value is True
+    one = dense_layout(1, 32768, torch.device("cpu"))
+    choice = plan.fused_backward(one, None, 16, SMS)
+    assert choice.value is False and "chunk_state_grad" in choice.reason
+
+
+def test_keep_states_where_the_chunk_count_needs_no_sync():
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    assert plan.keep_states(dense_layout(2, 64, torch.device("cpu")), None).value is True
+    assert plan.keep_states(varlen_layout(cu, 300), cu).value is True
+    choice = plan.keep_states(varlen_layout(cu, 300), None)
+    assert choice.value is False and "sync" in choice.reason
+
+
+def test_each_choice_is_logged_once(caplog):
+    """A choice is logged at debug level when first made for its arguments; repeating
+    the call (a training loop) logs nothing more."""
+    plan._segment_len.cache_clear()
+    plan._fused_backward.cache_clear()
+    with caplog.at_level(logging.DEBUG, logger="flash_qla_sm90.plan"):
+        for _ in range(3):
+            plan.segment_len([0, 32768], 8, SMS, bounded=True)
+            plan.fused_pays(64, 512, 16, SMS)
+            plan.fused_backward(dense_layout(8, 4096, torch.device("cpu")), None, 16, SMS)
+    messages = [r.getMessage() for r in caplog.records if r.name == "flash_qla_sm90.plan"]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("bounded segment split: 2048 (")
+    assert messages[1].startswith("fused backward: True (chunk_grads_fused")
+
+
+def test_static_flags_drop_trailing_false():
+    """Builder flags at their default (False) are dropped from the end, so a call that
+    passes them and one that omits them share a launcher."""
+    assert static_flags() == ()
+    assert static_flags(False, False) == ()
+    assert static_flags(True, False) == (True,)
+    assert static_flags(False, True) == (False, True)

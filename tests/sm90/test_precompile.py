@@ -1,0 +1,72 @@
+"""The shipped kernels (CPU): the variants compiled ahead of time, and the seeding of
+TileLang's cache with them. That the host path launches exactly these variants is
+checked in ``test_host_path.py``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+precompile = pytest.importorskip("flash_qla_sm90.precompile",
+                                 reason="TileLang is not installed")
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    src = tmp_path / "shipped"
+    (src / "0.1.15" / "kernels").mkdir(parents=True)
+    (src / "0.1.15" / "kernels" / "entry.bin").write_bytes(b"compiled")
+    monkeypatch.setattr(precompile, "SHIPPED", src)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
+    return src
+
+
+def test_seeds_a_writable_cache_and_points_tilelang_at_it(shipped, tmp_path):
+    precompile.use_shipped_cache()
+    target = tmp_path / "xdg" / "flash-qla" / "tilelang"
+    assert os.environ["TILELANG_CACHE_DIR"] == str(target)
+    assert (target / "0.1.15" / "kernels" / "entry.bin").read_bytes() == b"compiled"
+
+
+def test_a_cache_dir_chosen_by_the_user_wins(shipped, tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "mine"))
+    precompile.use_shipped_cache()
+    assert os.environ["TILELANG_CACHE_DIR"] == str(tmp_path / "mine")
+    assert not (tmp_path / "xdg").exists()
+
+
+def test_shipped_cache_sits_in_the_package():
+    assert precompile.SHIPPED.parent.name == "flash_qla_sm90"
+    assert precompile.SHIPPED.name == "kernel_cache"
+
+
+def _names(dtype="bfloat16") -> list[tuple]:
+    return [(builder.func.orig_func.__name__, args[3:]) for builder, args in
+            precompile.variants() if args[0] == dtype]
+
+
+def test_variants_per_dtype():
+    """Per dtype (K = V = 128): the prepare, the forward's seven variants x initial
+    state, the sweep's three x dht, the per-chunk gradients, the GVA sum, the fused
+    reverse kernel x dht: 25, none twice."""
+    every = list(precompile.variants())
+    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 25
+    for dtype in ("bfloat16", "float16"):
+        assert sorted(_names(dtype)) == sorted(
+            [("chunk_prepare_blocked_kernel", ())]
+            + [("chunk_fwd_ws_kernel", (h0, *flags)) for h0 in (False, True)
+               for flags in precompile.FWD_FLAGS]
+            + [("chunk_bwd_dh_ws_kernel", (dht, *flags)) for dht in (False, True)
+               for flags in precompile.SWEEP_FLAGS]
+            + [("chunk_bwd_intra_kernel", ()), ("group_sum_kernel", ())]
+            + [("chunk_bwd_fused_kernel", (dht,)) for dht in (False, True)])
+
+
+def test_flags_carry_no_trailing_false():
+    """Static flags as ``layout.static_flags`` leaves them: a launch's key is the
+    variant's (trailing False arguments are dropped before the launcher sees them)."""
+    after_store_h = [flags[1:] for flags in precompile.FWD_FLAGS]
+    for flags in after_store_h + list(precompile.SWEEP_FLAGS):
+        assert not flags or flags[-1] is True, flags
