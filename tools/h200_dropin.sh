@@ -3,6 +3,7 @@
 #   compile  every shipped sm90 kernel into the writable cache (14 processes, ~1-2 min on a
 #            fresh H200 host; cache hits from a carried .offline-gpu/tilelang-cache.tar.xz)
 #   tests    pytest -m gpu on TEST_PATHS (default: all of tests/)
+#   ptests   pytest on each ";"-separated group of TEST_GROUPS, side by side (one GPU)
 #   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes; default: README's rows) with
 #            PEERS, one worker per implementation and mode; BENCH_ARGS: options
 #            (default --dense-batch)
@@ -39,6 +40,17 @@ S6=seqs=5000+3000+2500+2000+2384+1500
 S64=seqs=$(python3 -c "print('+'.join(str(200 + (i * 131) % 700) for i in range(64)))")
 FWD_ROWS=${FWD_ROWS:-"fwd:4/8@1x65536,fwd:16/64@1x24576,fwd:16/32@$S6,fwd:2/4@$S64"}
 BWD_ROWS=${BWD_ROWS:-"bwd:4/8@1x65536,bwd:16/64@1x24576,bwd:16/32@$S6,bwd:2/4@$S64,bwd:8/16@4x4096"}
+if has ptests; then   # TEST_GROUPS: ";"-separated pytest targets, run side by side on the GPU
+  IFS=';' read -ra groups <<< "${TEST_GROUPS:-tests}"
+  i=0
+  for g in "${groups[@]}"; do
+    timeout "$(cap ${TEST_TIMEOUT:-300})" python3 -m pytest -q -p no:cacheprovider -rfE \
+      --durations=3 $g > "$R/gpu-tests-$i.txt" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for f in "$R"/gpu-tests-*.txt; do echo "$f: $(tail -1 "$f")"; done
+fi
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} --peers ${PEERS:-host-offsets,fla-routed,flashqla} ${BENCH_ARGS:---dense-batch}"
 if has fwd; then
@@ -53,5 +65,5 @@ if has cache; then
   tar cJf "$OUT/tilelang-cache.tar.xz" -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .
-for f in "$R"/gpu-tests.txt; do [ -f "$f" ] && grep -E "passed|failed|error" "$f" | tail -3; done
+for f in "$R"/gpu-tests*.txt; do [ -f "$f" ] && grep -E "^FAILED|^ERROR|passed|failed" "$f" | tail -8; done
 for f in "$R"/fwd.txt "$R"/bwd.txt; do [ -f "$f" ] && tail -40 "$f"; done
