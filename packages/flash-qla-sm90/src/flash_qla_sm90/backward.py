@@ -107,7 +107,9 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
     NT = 0 if boundary else total_chunks(layout, cu_seqlens_cpu)
     # at least one row: dS1 leaves by TMA (every descriptor dimension >= 1; a varlen
     # batch of empty sequences has no chunk); the extra row is never written
-    dS1 = torch.empty(max(NT, 1), Hv, K, V, dtype=q.dtype, device=q.device)
+    # the boundary sweep stores no dS1: its variant takes an fp32 placeholder
+    dS1 = torch.empty(max(NT, 1), Hv, K, V, dtype=torch.float32 if boundary else q.dtype,
+                      device=q.device)
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
     kernel = launcher(chunk_bwd_dh_ws_kernel, DTYPE_NAMES[q.dtype], K, V, has_dht,
