@@ -311,7 +311,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 # The spawn (one per group size) and the tests
 # --------------------------------------------------------------------------------------
 
-_RUNS: dict[int, list[dict]] = {}
+_RUNS: dict[int, list[dict] | str] = {}     # world -> results, or why the run failed
 
 
 def _spawn(world: int, tmp) -> list[dict]:
@@ -335,8 +335,13 @@ def _spawn(world: int, tmp) -> list[dict]:
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     def get(world: int) -> list[dict]:
-        if world not in _RUNS:
-            _RUNS[world] = _spawn(world, tmp_path_factory.mktemp(f"cp{world}"))
+        if world not in _RUNS:                      # a failed run is not retried
+            try:
+                _RUNS[world] = _spawn(world, tmp_path_factory.mktemp(f"cp{world}"))
+            except Exception as e:
+                _RUNS[world] = f"{type(e).__name__}: {e}"
+        if isinstance(_RUNS[world], str):
+            pytest.fail(f"the {world}-rank run failed: {_RUNS[world]}", pytrace=False)
         return _RUNS[world]
     return get
 
