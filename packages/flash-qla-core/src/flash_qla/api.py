@@ -541,8 +541,15 @@ def chunk_gated_delta_rule(
             of what q, k, v themselves keep. False: recompute (FLA's and FlashQLA's
             choice). Backends without kept states (``torch``) always recompute, and so
             do traced calls (``torch.compile``; :mod:`flash_qla.custom_ops`).
-        enable_fwd_cp_cache, cp_context: accepted for compatibility; any value other
-            than None/False raises NotImplementedError.
+        enable_fwd_cp_cache: accepted for compatibility; any value other than
+            None/False raises NotImplementedError.
+        cp_context: context parallelism across the ranks of a process group, FLA's
+            ``FLACPContext`` (or :class:`flash_qla.context_parallel.CPContext`): each
+            rank passes its slice of the packed tokens (B = 1) and the context's local
+            offsets replace ``cu_seqlens``; states are per local sequence. Fields read,
+            state placement and errors: :func:`flash_qla.context_parallel.resolve_cp_context`;
+            ``docs/context-parallel.md``. Not with ``segment_len`` / ``force_intra_cp``
+            nor inside ``torch.compile`` (NotImplementedError).
         backend: force a backend by name, e.g. ``"torch"`` (the env variable
             ``FLASH_QLA_BACKEND`` does the same); None picks one for q's device.
 
@@ -566,6 +573,16 @@ def chunk_gated_delta_rule(
     Not checked (would cost a pass over the data or a host sync): finite inputs,
     ``g <= 0``, beta's range, and ``cu_seqlens`` contents during CUDA-graph capture.
     """
+    # >>> context parallelism (issue 35): flash_qla.context_parallel owns the rest
+    cp_layout = None
+    if cp_context is not None:      # the local offsets replace the call's, as in FLA
+        from flash_qla.context_parallel import context_for_call
+        cp_layout = context_for_call(cp_context, segment_len=segment_len,
+                                     force_intra_cp=force_intra_cp,
+                                     traced=torch.compiler.is_compiling())
+        cu_seqlens, cu_seqlens_cpu, cp_context = (cp_layout.cu_seqlens,
+                                                  cp_layout.cu_seqlens_cpu, None)
+    # <<< context parallelism
     _reject_unsupported(head_first=head_first, auto_cp=auto_cp,
                         enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=cp_context)
     segment_len = _resolve_segment_len(force_intra_cp, segment_len)
@@ -589,6 +606,8 @@ def chunk_gated_delta_rule(
     else:
         scale = _resolve_scale(scale, q.shape[3])
         _, kernels = _select_kernels(q, v, backend, g, beta, initial_state)
+        if cp_layout is not None:   # >>> context parallelism: the exchange around them <<<
+            kernels = cp_layout.kernels(kernels)
         if segment_len is None and auto_cp is not False:
             segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
                                             uses_warmup(kernels, shortcut_bound))
