@@ -598,7 +598,8 @@ def test_import_is_light():
 def test_public_names():
     assert set(flash_qla.__all__) == {"__version__", "chunk_gated_delta_rule",
                                       "chunk_gated_delta_rule_fwd",
-                                      "chunk_gated_delta_rule_bwd", "utils"}
+                                      "chunk_gated_delta_rule_bwd",
+                                      "fused_recurrent_gated_delta_rule", "utils"}
     assert isinstance(flash_qla.__version__, str) and flash_qla.__version__
 
 

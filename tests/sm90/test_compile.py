@@ -186,6 +186,7 @@ _DIMS = ("bfloat16", 128, 128)
 # name -> (module of flash_qla_sm90.kernels, builder, static args): shipped variants
 # (``precompile.variants``), bf16, K = V = 128; ``_h``: stores h
 _VARIANTS = {
+    "recurrent_step": ("recurrent_step", "recurrent_step_kernel", ("bfloat16", 128, 128, True)),
     "prepare_blocked": ("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel",
                         ("bfloat16", 128)),
     "fwd_ws": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, False, False)),
@@ -272,7 +273,8 @@ def test_intra_kernel_reductions_are_batched():
 
 
 # Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
-_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "seq_start", "seq_index", "seq_end"}
+_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "seq_start", "seq_index", "seq_end",
+          "state_idx"}
 
 
 def _global_accesses(src: str):

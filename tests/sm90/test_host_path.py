@@ -33,7 +33,8 @@ class _OpCount(TorchDispatchMode):
 #: The kernel builders each orchestrator launches, by module.
 BUILDERS = {"forward": ("chunk_prepare_blocked_kernel", "chunk_fwd_ws_kernel"),
             "backward": ("chunk_bwd_dh_ws_kernel", "chunk_bwd_intra_kernel",
-                         "group_sum_kernel", "chunk_bwd_fused_kernel")}
+                         "group_sum_kernel", "chunk_bwd_fused_kernel"),
+            "recurrent": ("recurrent_step_kernel",)}
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def built(monkeypatch):
     Returns the (builder name, static arguments) of every launcher built, in order:
     each configuration once (the launchers are kept per configuration)."""
     from flash_qla import api
-    from flash_qla_sm90 import backend, backward, forward, launch
+    from flash_qla_sm90 import backend, backward, forward, launch, recurrent
 
     built = []
 
@@ -54,7 +55,7 @@ def built(monkeypatch):
         builder.__name__ = name
         return builder
 
-    for module in (forward, backward):
+    for module in (forward, backward, recurrent):
         for name in BUILDERS[module.__name__.rpartition(".")[2]]:
             monkeypatch.setattr(module, name, stub(name))
     monkeypatch.setattr(launch, "_LAUNCHERS", {})        # the stubs' launchers die here
@@ -471,10 +472,21 @@ def _training_step(B, T, *, h0: bool, dht: bool, save: bool, output_h: bool = Fa
     torch.autograd.backward(outs, grads)
 
 
+def _decode_step(*, h0: bool):
+    """One decode token for each of 4 sequences (GVA 2/4), from a state or from zeros."""
+    import flash_qla
+
+    (q, k, v, g, beta, h), _, _ = _inputs(4, 1, 4, requires_grad=False)
+    flash_qla.fused_recurrent_gated_delta_rule(q[:, :, :2], k[:, :, :2], v, g, beta=beta,
+                                               initial_state=h if h0 else None,
+                                               output_final_state=True)
+
+
 def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     """Training steps over every option the host path distinguishes (initial state,
     state gradient, kept or recomputed h, unsplit or bounded split, fused or two-kernel
-    backward, h returned) launch exactly the bf16 variants ``precompile.variants()``
+    backward, h returned) and decode steps launch exactly the bf16 variants
+    ``precompile.variants()``
     compiles ahead of time: none missing from the shipped cache, none shipped unused."""
     precompile = pytest.importorskip("flash_qla_sm90.precompile")
     for fused in (False, True):
@@ -484,6 +496,7 @@ def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
             _training_step(B, T, h0=h0, dht=dht, save=save)
     for h0 in (False, True):
         _training_step(2, 256, h0=h0, dht=False, save=False, output_h=True)
+        _decode_step(h0=h0)
     shipped = {(b.func.orig_func.__name__, args) for b, args in precompile.variants()
                if args[0] == "bfloat16"}
     assert set(built) == shipped, (sorted(set(built) - shipped), sorted(shipped - set(built)))

@@ -50,9 +50,9 @@ def _names(dtype="bfloat16") -> list[tuple]:
 def test_variants_per_dtype():
     """Per dtype (K = V = 128): the prepare, the forward's seven variants x initial
     state, the sweep's three x dht, the per-chunk gradients, the GVA sum, the fused
-    reverse kernel x dht: 25, none twice."""
+    reverse kernel x dht, the decode step x initial state: 27, none twice."""
     every = list(precompile.variants())
-    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 25
+    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 27
     for dtype in ("bfloat16", "float16"):
         assert sorted(_names(dtype)) == sorted(
             [("chunk_prepare_blocked_kernel", ())]
@@ -61,7 +61,8 @@ def test_variants_per_dtype():
             + [("chunk_bwd_dh_ws_kernel", (dht, *flags)) for dht in (False, True)
                for flags in precompile.SWEEP_FLAGS]
             + [("chunk_bwd_intra_kernel", ()), ("group_sum_kernel", ())]
-            + [("chunk_bwd_fused_kernel", (dht,)) for dht in (False, True)])
+            + [("chunk_bwd_fused_kernel", (dht,)) for dht in (False, True)]
+            + [("recurrent_step_kernel", (h0,)) for h0 in (False, True)])
 
 
 def test_flags_carry_no_trailing_false():

@@ -14,6 +14,7 @@ from flash_qla.api import (
     chunk_gated_delta_rule_bwd,
     chunk_gated_delta_rule_fwd,
 )
+from flash_qla.recurrent import fused_recurrent_gated_delta_rule
 
 try:
     __version__ = version("flash-qla")
@@ -25,6 +26,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_bwd",
     "chunk_gated_delta_rule_fwd",
+    "fused_recurrent_gated_delta_rule",
     "utils",
 ]
 

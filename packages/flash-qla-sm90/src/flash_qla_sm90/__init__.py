@@ -13,6 +13,7 @@ The package, by role (each module imports only those above it):
   backward), returned with its reason;
 - ``launch``: one launcher per compiled kernel configuration;
 - ``forward``, ``backward``: the orchestrators that launch the kernels;
+- ``recurrent``: the token-by-token decode step (``flash_qla.recurrent``);
 - ``precompile``: the kernels the wheel ships compiled, and the shipped cache;
 - ``backend``: the :class:`flash_qla.backend.Kernels` the core calls (``load()``).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backward, forward, plan
+from . import backward, forward, plan, recurrent
 from .layout import sm_count
 from .precompile import use_shipped_cache
 
@@ -59,6 +59,14 @@ class Sm90Kernels:
                                          scale=scale, initial_state=initial_state,
                                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                          starts=starts, ends=ends, states=states)
+
+    def recurrent(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_indices,
+                  output_final_state):
+        """Token-by-token recurrence (``flash_qla.backend.Kernels``, optional): decode."""
+        return recurrent.recurrent_fwd(q, k, v, g, beta, scale=scale,
+                                       initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                       state_indices=state_indices,
+                                       output_final_state=output_final_state)
 
     def plan_segment_len(self, bounds, Hv, K, V, device, bounded=False):
         """``plan.segment_len`` (K = V = 128 on this backend: the dispatch checks)."""

@@ -22,6 +22,7 @@ from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
 from .kernels.chunk_state_grad import chunk_bwd_dh_ws_kernel
 from .kernels.chunk_state_output import chunk_fwd_ws_kernel
 from .kernels.group_sum import group_sum_kernel
+from .kernels.recurrent_step import recurrent_step_kernel
 from .kernels.traits import DTYPES, HEAD_DIMS
 
 SHIPPED = Path(__file__).resolve().parent / "kernel_cache"
@@ -86,6 +87,8 @@ def variants():
             yield group_sum_kernel, (dtype, K)
             for has_dht in (False, True):
                 yield chunk_bwd_fused_kernel, (dtype, K, V, has_dht)
+            for has_h0 in (False, True):                 # decode (flash_qla.recurrent)
+                yield recurrent_step_kernel, (dtype, K, V, has_h0)
 
 
 def _compile_slice(cache_dir: str, jobs: int, index: int) -> int:

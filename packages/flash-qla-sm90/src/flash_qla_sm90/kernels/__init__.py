@@ -15,6 +15,8 @@ Importing this package imports nothing; each module below imports TileLang.
   (sequence, value head) (``chunk_bwd_fused_kernel``), the alternative to the two
   kernels above;
 - ``group_sum``: the GVA sum of the per-value-head dq, dk (``group_sum_kernel``);
+- ``recurrent_step``: the token-by-token recurrence for decode and speculative verify,
+  states read from and written to a pool by slot (``recurrent_step_kernel``);
 - ``tile_ops``: tile steps the kernels share (TileLang macros); ``traits``: the static
   configuration every compiled kernel is keyed on.
 

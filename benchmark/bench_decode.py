@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Decode (one token per sequence) and speculative verify (a few tokens per sequence):
+ours (``flash_qla.fused_recurrent_gated_delta_rule``, sm90 ``recurrent_step``) beside
+FLA's ``fused_recurrent_gated_delta_rule`` (Triton), same inputs, CUDA-graph replay
+times (a decode step is launch-bound eagerly) and both outputs against the fp64
+recurrence. Prints one table; ``--out FILE`` also writes it as JSON.
+
+    python benchmark/bench_decode.py [--seqs 32,256] [--tokens 1,4] [--heads 16/32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+
+def _graph_ms(fn, reps: int = 200) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _rel(x, ref) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", default="32,256", help="sequences per step (comma list)")
+    p.add_argument("--tokens", default="1,4", help="tokens per sequence (comma list)")
+    p.add_argument("--heads", default="16/32", help="Hk/Hv (comma list)")
+    p.add_argument("--out", help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    import flash_qla
+    from flash_qla.reference import recurrent_gated_delta_rule
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
+    except ImportError:
+        fla_step = None
+    rows = []
+    for heads in args.heads.split(","):
+        Hk, Hv = map(int, heads.split("/"))
+        for N in map(int, args.seqs.split(",")):
+            for T in map(int, args.tokens.split(",")):
+                gen = torch.Generator().manual_seed(0)
+                q, k = (F.normalize(torch.randn(N, T, Hk, 128, generator=gen), dim=-1)
+                        .bfloat16().cuda() for _ in range(2))
+                v = torch.randn(N, T, Hv, 128, generator=gen).bfloat16().cuda()
+                g = F.logsigmoid(torch.randn(N, T, Hv, generator=gen) + 3).cuda()
+                beta = torch.sigmoid(torch.randn(N, T, Hv, generator=gen)).cuda()
+                h0 = (0.1 * torch.randn(N, Hv, 128, 128, generator=gen)).cuda()
+                ref, _ = recurrent_gated_delta_rule(q.double(), k.double(), v.double(),
+                                                    g.double(), beta.double(),
+                                                    initial_state=h0.double())
+                ours = functools.partial(flash_qla.fused_recurrent_gated_delta_rule, q, k,
+                                         v, g, beta=beta, initial_state=h0,
+                                         output_final_state=True)
+                row = {"heads": heads, "seqs": N, "tokens": T,
+                       "ours ms": _graph_ms(ours), "ours err": _rel(ours()[0], ref)}
+                if fla_step is not None:
+                    theirs = functools.partial(fla_step, q, k, v, g, beta=beta,
+                                               initial_state=h0, output_final_state=True)
+                    row["FLA ms"] = _graph_ms(theirs)
+                    row["FLA err"] = _rel(theirs()[0], ref)
+                    row["ours vs FLA"] = row["FLA ms"] / row["ours ms"]
+                rows.append(row)
+    print(tabulate(rows, headers="keys", floatfmt=".4g"))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

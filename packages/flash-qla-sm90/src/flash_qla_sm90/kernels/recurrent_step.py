@@ -1,0 +1,96 @@
+"""Token-by-token Gated DeltaNet for decode and speculative verify: a few tokens per
+sequence, where the chunked prefill's per-chunk work would be mostly padding.
+
+Per sequence n, value head h and token t (gdn-math "Recurrence"; q/k head h // G):
+
+    S = exp(g_t) S;   u = beta_t (v_t - S^T k_t);   S = S + k_t u^T;   o_t = scale S^T q_t
+
+One CTA per (sequence, value head, block of ``BV`` state columns) keeps its ``K x BV``
+slice of S in fp32 registers for all of the sequence's tokens: the columns are
+independent (every product above is column-wise in S), so no CTA waits for another.
+The start state is read from ``h0[state_idx[n]]`` and the final state written to
+``ht[state_idx[n]]``: with ``h0`` and ``ht`` the same pool tensor an engine's state
+slots are updated in place, with no gather or scatter pass around the call.
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .traits import PASS_CONFIGS, TARGET
+
+#: State columns per CTA: ``K x BV`` fp32 in registers (32 per thread at K = 128).
+STEP_BLOCK_V = 32
+STEP_THREADS = 128
+
+
+@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
+def recurrent_step_kernel(dtype: str, K: int, V: int, has_h0: bool):
+    """Build the token-by-token recurrence over packed sequences.
+
+    Kernel arguments: q, k ``[Tt, Hk, K]`` dtype; v ``[Tt, Hv, V]`` dtype; g, beta
+    ``[Tt, Hv]`` fp32 (g the per-token natural-log decay); cu_seqlens ``[N + 1]`` int32;
+    state_idx ``[N]`` int32 (the state slot of each sequence); h0 ``[P, Hv, K, V]`` fp32
+    (read at ``state_idx`` when ``has_h0``, else zeros); scale fp32; o ``[Tt, Hv, V]``
+    dtype; ht ``[P, Hv, K, V]`` fp32 (written at ``state_idx``). Tokens outside every
+    sequence are not written."""
+    Tt, Hk, Hv, N, P = T.dynamic("Tt, Hk, Hv, N, P")
+    BV = STEP_BLOCK_V
+    accum = "float32"
+
+    @T.prim_func
+    def recurrent_step(
+        q: T.Tensor((Tt, Hk, K), dtype),
+        k: T.Tensor((Tt, Hk, K), dtype),
+        v: T.Tensor((Tt, Hv, V), dtype),
+        g: T.Tensor((Tt, Hv), accum),
+        beta: T.Tensor((Tt, Hv), accum),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        state_idx: T.Tensor((N,), "int32"),
+        h0: T.Tensor((P, Hv, K, V), accum),
+        scale: T.float32,
+        o: T.Tensor((Tt, Hv, V), dtype),
+        ht: T.Tensor((P, Hv, K, V), accum),
+    ):
+        with T.Kernel(T.ceildiv(V, BV), N * Hv, threads=STEP_THREADS) as (bv, bnh):
+            n = bnh // Hv
+            h = bnh % Hv
+            hk = h // (Hv // Hk)
+            slot = state_idx[n]
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            S = T.alloc_fragment((K, BV), accum)
+            prod = T.alloc_fragment((K, BV), accum)
+            col = T.alloc_fragment((BV,), accum)
+            q_s = T.alloc_shared((K,), accum)
+            k_s = T.alloc_shared((K,), accum)
+            v_s = T.alloc_shared((BV,), accum)
+            if has_h0:
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = h0[slot, h, i, bv * BV + j]
+            else:
+                T.clear(S)
+            for t in T.serial(eos - bos):
+                tok = bos + t
+                for i in T.Parallel(K):
+                    q_s[i] = T.cast(q[tok, hk, i], accum)
+                    k_s[i] = T.cast(k[tok, hk, i], accum)
+                for j in T.Parallel(BV):
+                    v_s[j] = T.cast(v[tok, h, bv * BV + j], accum)
+                decay = T.exp(g[tok, h])
+                b = beta[tok, h]
+                for i, j in T.Parallel(K, BV):                      # S <- exp(g) S
+                    S[i, j] = S[i, j] * decay
+                    prod[i, j] = S[i, j] * k_s[i]
+                T.reduce_sum(prod, col, dim=0)                      # S^T k
+                for j in T.Parallel(BV):
+                    col[j] = b * (v_s[j] - col[j])                  # u
+                for i, j in T.Parallel(K, BV):                      # S <- S + k u^T
+                    S[i, j] = S[i, j] + k_s[i] * col[j]
+                    prod[i, j] = S[i, j] * q_s[i]
+                T.reduce_sum(prod, col, dim=0)                      # S^T q
+                for j in T.Parallel(BV):
+                    o[tok, h, bv * BV + j] = T.cast(col[j] * scale, dtype)
+            for i, j in T.Parallel(K, BV):
+                ht[slot, h, i, bv * BV + j] = S[i, j]
+
+    return recurrent_step

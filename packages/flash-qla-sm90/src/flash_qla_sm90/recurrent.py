@@ -1,0 +1,48 @@
+"""Host side of the token-by-token recurrence (decode, speculative verify): packs the
+call's tensors and launches ``kernels.recurrent_step``. Shapes as
+``flash_qla.recurrent.fused_recurrent_gated_delta_rule``."""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.recurrent_step import recurrent_step_kernel
+from .launch import launcher
+from .layout import DTYPE_NAMES, packed
+
+
+def recurrent_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_indices,
+                  output_final_state):
+    """``(o [B, T, Hv, V], final_state)``. ``cu_seqlens`` None: the B rows are the
+    sequences. ``state_indices`` ``[N]`` int: ``initial_state`` is a pool
+    ``[P, Hv, K, V]`` fp32, read at the indices and updated there in place (the final
+    state returned is the pool itself); None: ``initial_state`` ``[N, Hv, K, V]`` fp32 or
+    None, and a new final state ``[N, Hv, K, V]`` fp32 when ``output_final_state``."""
+    B, T, _, K = q.shape
+    Hv, V = v.shape[2:]
+    device = q.device
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    else:
+        cu = cu_seqlens.to(torch.int32)
+    N = cu.numel() - 1
+    if state_indices is not None:
+        slots = state_indices.to(torch.int32)
+        h0 = ht = initial_state
+    else:
+        slots = torch.arange(N, dtype=torch.int32, device=device)
+        h0 = initial_state if initial_state is not None else torch.empty(
+            1, Hv, K, V, dtype=torch.float32, device=device)
+        ht = torch.empty(max(N, 1), Hv, K, V, dtype=torch.float32, device=device)
+    o = torch.zeros(B * T, Hv, V, dtype=q.dtype, device=device)   # padding rows stay 0
+    if N > 0 and B * T > 0:
+        launcher(recurrent_step_kernel, DTYPE_NAMES[q.dtype], K, V,
+                 initial_state is not None)(
+            packed(q), packed(k), packed(v), packed(g, torch.float32),
+            packed(beta, torch.float32), cu, slots, h0, float(scale), o, ht)
+    elif state_indices is None and initial_state is not None:
+        ht = initial_state.clone()
+    o = o.view(B, T, Hv, V)
+    if state_indices is not None:
+        return o, ht
+    return o, (ht[:N] if output_final_state else None)
