@@ -31,9 +31,9 @@ def recurrent_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_i
         h0 = ht = initial_state
     else:
         slots = torch.arange(N, dtype=torch.int32, device=device)
-        h0 = initial_state if initial_state is not None else torch.empty(
-            1, Hv, K, V, dtype=torch.float32, device=device)
         ht = torch.empty(max(N, 1), Hv, K, V, dtype=torch.float32, device=device)
+        # without a start state the kernel reads no h0, but h0 and ht share the pool size
+        h0 = initial_state if initial_state is not None else ht
     o = torch.zeros(B * T, Hv, V, dtype=q.dtype, device=device)   # padding rows stay 0
     if N > 0 and B * T > 0:
         launcher(recurrent_step_kernel, DTYPE_NAMES[q.dtype], K, V,
