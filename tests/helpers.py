@@ -7,6 +7,7 @@ works from any test module, with ``pytest`` or ``python -m pytest``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,3 +36,17 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if ref == 0.0:
         return 0.0 if err == 0.0 else math.inf
     return err / ref
+
+
+def force_fused_backward(monkeypatch, fused: bool) -> None:
+    """Both sm90 backwards (unsplit and bounded split) take the fused kernel (True) or
+    the sweep and the per-chunk kernel (False), whatever ``plan.fused_backward`` would
+    pick (imports the sm90 package: call it from sm90 tests only)."""
+    from flash_qla_sm90 import backward
+
+    for name in ("chunk_bwd", "chunk_bwd_warmup"):
+        planned = getattr(backward, name)
+        planned = getattr(planned, "planned", planned)
+        forced = functools.partial(planned, fused=fused)
+        forced.planned = planned
+        monkeypatch.setattr(backward, name, forced)

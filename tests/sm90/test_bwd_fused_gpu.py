@@ -6,13 +6,11 @@ dq, dk, dv, dh0 < 1e-2, dbeta, dg < 2e-2, relative L2); NaN fails every comparis
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 import flash_qla
-from tests.helpers import rel_l2
+from tests.helpers import force_fused_backward, rel_l2
 from tests.sm90.test_backward_gpu import (
     BOUNDED_BWD_CASES,
     BWD_CASES,
@@ -38,12 +36,7 @@ def _force_fused(monkeypatch, on: bool = True) -> list:
     ``fused_grads`` appends to, so a test can check which path ran."""
     from flash_qla_sm90 import backward
 
-    for name in ("chunk_bwd", "chunk_bwd_warmup"):
-        planned = getattr(backward, name)
-        planned = getattr(planned, "planned", planned)
-        forced = functools.partial(planned, fused=on)
-        forced.planned = planned
-        monkeypatch.setattr(backward, name, forced)
+    force_fused_backward(monkeypatch, on)
     runs = []
     real = getattr(backward.fused_grads, "real", backward.fused_grads)
 

@@ -8,12 +8,13 @@ also record which kernel variants the host path launches: exactly the shipped on
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.helpers import force_fused_backward
 
 pytest.importorskip("tilelang", reason="TileLang is not installed")
 
@@ -404,19 +405,6 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
     assert launched["sweep"][10].shape[0] == 1 and dS1.shape == (0, 2, 128, 128)
 
 
-def _force_fused(monkeypatch, fused: bool) -> None:
-    """Both backwards take the fused kernel (True) or the two kernels (False), whatever
-    ``plan.fused_backward`` would pick."""
-    from flash_qla_sm90 import backward
-
-    for name in ("chunk_bwd", "chunk_bwd_warmup"):
-        planned = getattr(backward, name)
-        planned = getattr(planned, "planned", planned)
-        forced = functools.partial(planned, fused=fused)
-        forced.planned = planned
-        monkeypatch.setattr(backward, name, forced)
-
-
 @pytest.mark.parametrize("B, T, H, path", [(4, 2048, 16, "chunk_bwd"),
                                            (1, 8192, 4, "chunk_bwd_warmup")])
 def test_fused_backward_launches(sm90_without_launches, monkeypatch, B, T, H, path):
@@ -427,7 +415,7 @@ def test_fused_backward_launches(sm90_without_launches, monkeypatch, B, T, H, pa
     import flash_qla
     from flash_qla_sm90 import backward
 
-    _force_fused(monkeypatch, True)
+    force_fused_backward(monkeypatch, True)
     launched = []
     _spy_launches(monkeypatch, backward, launched)
     (q, k, v, g, beta, h0), do, dht = _inputs(B, T, H, requires_grad=True)
@@ -490,7 +478,7 @@ def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     compiles ahead of time: none missing from the shipped cache, none shipped unused."""
     precompile = pytest.importorskip("flash_qla_sm90.precompile")
     for fused in (False, True):
-        _force_fused(monkeypatch, fused)
+        force_fused_backward(monkeypatch, fused)
         for (B, T), h0, dht, save in itertools.product(((2, 256), (1, 8192)), (False, True),
                                                        (False, True), (False, True)):
             _training_step(B, T, h0=h0, dht=dht, save=save)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import operator
 
 import torch
 import torch.nn.functional as F
@@ -199,13 +198,8 @@ def _resolve_segment_len(force_intra_cp: bool | None, segment_len: int | None) -
     validation.check_bool("force_intra_cp", force_intra_cp, optional=True)
     if segment_len is None:
         return DEFAULT_SEGMENT_LEN if force_intra_cp else None
-    try:                                 # ints, numpy / torch integer scalars; no bool
-        if isinstance(segment_len, bool):
-            raise TypeError
-        segment_len = operator.index(segment_len)
-    except TypeError:
-        raise TypeError(f"segment_len: expected an int (tokens per segment) or None, got "
-                        f"{type(segment_len).__name__} {segment_len!r}") from None
+    segment_len = validation.check_index("segment_len", segment_len,
+                                         "an int (tokens per segment) or None")
     if segment_len <= 0 or segment_len % SEGMENT_MULTIPLE:
         raise ValueError(f"segment_len: expected a positive multiple of the chunk size "
                          f"{SEGMENT_MULTIPLE}, got {segment_len}")

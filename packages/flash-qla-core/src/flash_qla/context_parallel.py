@@ -56,7 +56,6 @@ Unlike FLA, ``initial_state`` and ``output_final_state`` are supported; see
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +63,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .reference import _sequence_bounds
-from .validation import check_cu_seqlens_kind, state_dtype
+from .validation import check_cu_seqlens_kind, check_index, state_dtype
 
 __all__ = [
     "READ_FIELDS",
@@ -238,13 +237,7 @@ def _rank_count(ctx, name: str, flag_name: str, limit: int, where: str) -> int:
         raise ValueError(f"cp_context.{name}: required (how many {where} ranks hold "
                          f"tokens of this rank's {'first' if 'pre' in name else 'last'} "
                          f"sequence), got None")
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"cp_context.{name}: expected an int, got {type(value).__name__} "
-                        f"{value!r}") from None
+    value = check_index(f"cp_context.{name}", value, "an int")
     if not 0 <= value <= limit:
         raise ValueError(f"cp_context.{name}: expected 0 .. {limit} (the {where} ranks "
                          f"of this one), got {value}")

@@ -17,6 +17,7 @@ to no sequence).
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -311,6 +312,18 @@ def check_gate_params(
         check_shape(name, x, (Hv,), "[Hv]")
         if not x.is_floating_point():
             raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
+
+
+def check_index(name: str, value: object, expected: str) -> int:
+    """``value`` as a Python int (ints, numpy / torch integer scalars; not a bool), else a
+    TypeError saying ``{name}: expected {expected}`` and what was received."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} "
+                        f"{value!r}") from None
 
 
 def check_bool(name: str, value: object, *, optional: bool = False) -> None:
