@@ -391,7 +391,9 @@ def _no_backend_error(index: int, cap: tuple[int, int], specs: dict[str, Backend
         lines.append(f"  - {_label(spec)}: {why}{notes}")
     lines.extend(f"  - {failure.describe()}" for failure in failures)
     lines.append(f"Fix: {install_hint(cap)}")
-    lines.append(f"(or set {ENV_VAR}=torch to run the slow PyTorch reference)")
+    lines.append(f"(or set {ENV_VAR}=torch to run the slow PyTorch reference; called "
+                 "through FLA's chunk_gated_delta_rule, set FLA_FLASH_QLA=0 to keep FLA's "
+                 "own kernels on this GPU)")
     err = NoBackendError("\n".join(lines))
     if failures:
         err.__cause__ = failures[0].error
