@@ -36,7 +36,7 @@ class Sm90Kernels:
 
     def fwd_prepared(self, q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
                      cu_seqlens_cpu, output_final_state, output_h):
-        return forward.fused_fwd(q, k, v, g_cumsum, beta, A, scale=scale,
+        return forward.prepared_fwd(q, k, v, g_cumsum, beta, A, scale=scale,
                                  initial_state=initial_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu,
                                  output_final_state=output_final_state, output_h=output_h)

@@ -111,7 +111,7 @@ def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_
     return g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o, h, final_state
 
 
-def fused_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
+def prepared_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
               cu_seqlens_cpu, output_final_state, output_h):
     """``Kernels.fwd_prepared``: the recurrence alone, from a prepare's outputs
     (g_cumsum ``[B,T,Hv]`` fp32 and A ``[B,T,Hv,C]`` as :func:`chunk_fwd` returned them
