@@ -1,0 +1,35 @@
+"""The kernels built from instructions every Blackwell chip has (no wgmma, no setmaxnreg,
+no tcgen05) compile for each Blackwell target: the first step of the Blackwell packages,
+whose kernels are to be proven on the H200 by running the same CUDA there. Today that is
+the decode kernel ``recurrent_step`` (plain loads, fp32 register tiles, block
+reductions); compile-only, nvcc and TileLang needed, no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+tilelang = pytest.importorskip("tilelang", reason="TileLang is not installed")
+pytestmark = pytest.mark.nvcc
+
+BLACKWELL = ["sm_100a", "sm_103a", "sm_120a", "sm_121a"]
+#: instructions a kernel meant to run on every Blackwell chip must not use
+HOPPER_ONLY = ("wgmma", "setmaxnreg", "tcgen05")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.mktemp("tilelang-cache")))
+    mp.setenv("TILELANG_PRINT_ON_COMPILATION", "0")
+    yield
+    mp.undo()
+
+
+@pytest.mark.parametrize("arch", BLACKWELL)
+def test_recurrent_step_compiles_for_blackwell(arch):
+    from flash_qla_sm90.kernels.recurrent_step import recurrent_step_kernel
+
+    prim = recurrent_step_kernel.func.orig_func("bfloat16", 128, 128, True)
+    src = tilelang.compile(prim, target={"kind": "cuda", "arch": arch}).get_kernel_source()
+    assert "recurrent_step" in src
+    assert not [op for op in HOPPER_ONLY if op in src], arch
