@@ -177,9 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument(
         "--flashinfer-jit",
         action="store_true",
-        help="let FlashInfer JIT-compile its GDN module if it is not prebuilt "
+        help="FlashInfer 0.6.x: let it JIT-compile its GDN module if it is not prebuilt "
         "(more than 7.5 minutes on the H200 host); otherwise such a FlashInfer "
-        "is reported as 'skipped'",
+        "is reported as 'skipped'. (0.7.x compiles its CuTe-DSL kernels in each "
+        "worker process on first call, seconds per kernel: --worker-per mode pays "
+        "that once)",
+    )
+    sel.add_argument(
+        "--flashinfer-cp",
+        choices=sorted(C.FLASHINFER_CP),
+        default="auto",
+        help="FlashInfer 0.7.x's use_cp: auto (default, its own choice: the "
+        "context-parallel kernels when sequences x heads is below half the SMs), on, "
+        "off. 0.6.x has no such option: anything but auto reports it as 'not installed'",
     )
     sel.add_argument(
         "--device",
@@ -396,6 +406,7 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "ours_shortcut_bound": args.ours_shortcut_bound,
         "fla_tune_rep_ms": args.fla_tune_rep_ms,
         "fla_tuning": args.fla_tuning,
+        "flashinfer_cp": args.flashinfer_cp,
         "capability": info.get("capability"),
     }
     deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
@@ -409,6 +420,7 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
             break
         refs = {s.key: os.path.join(scratch, f"{_safe(s.key)}.ours.pt") for s in group}
         todo = {}  # impl -> shapes it still has to run
+        ref_only = set()  # shapes whose ours row (kept by --resume) is not to be replaced
         for shape in group:
             need = [i for i in ["ours"] + peers if not done(rows.get((shape.key, i)))]
             if (
@@ -417,6 +429,7 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
                 and any(not (C.static_unsupported(i, shape, env) or avail.get(i)) for i in need)
             ):
                 need.insert(0, "ours")  # a peer to (re)measure needs ours' outputs beside it
+                ref_only.add(shape.key)
             for impl in need:
                 why = C.static_unsupported(impl, shape, env) or (
                     avail.get(impl) if impl != "ours" else None
@@ -434,12 +447,21 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
                 spec["deadline_epoch"] = time.time() + deadline - time.monotonic()
             results = C.run_batch_worker(
                 spec,
-                [{"shape": s.key, "ref_path": refs[s.key]} for s in batch],
+                [{"shape": s.key, "ref_path": refs[s.key],
+                  **({"ref_only": True} if impl == "ours" and s.key in ref_only else {})}
+                 for s in batch],
                 scratch,
                 f"{_safe(batch[0].key)}-{impl}" + (f"-x{len(batch)}" if len(batch) > 1 else ""),
                 args.worker_timeout * len(batch),
             )
             for shape, res in zip(batch, results):
+                if impl == "ours" and shape.key in ref_only:
+                    # run only as the peers' reference: the row measured earlier (and
+                    # kept by --resume) stays, so a peer can be measured in a later
+                    # call, even with --ours-backend torch as the reference there
+                    rows[(shape.key, impl)]["reference_rerun"] = {
+                        "status": res.get("status"), "ours_backend": args.ours_backend or "auto"}
+                    continue
                 rows[(shape.key, impl)] = flatten(shape, impl, res, args)
         if not args.keep_scratch:
             for path in refs.values():
@@ -541,6 +563,7 @@ def cold_first_call(args, shape: C.Shape, impls: list[str], scratch: str) -> dic
             "ours_backend": args.ours_backend,
             "ours_segment_len": args.ours_segment_len,
             "ours_shortcut_bound": args.ours_shortcut_bound,
+            "flashinfer_cp": args.flashinfer_cp,
             "flashqla_path": os.path.abspath(args.flashqla_path) if args.flashqla_path else None,
             "ref_path": os.path.join(cache, "none.pt"),
             "capability": None,
@@ -989,7 +1012,9 @@ def main(argv=None) -> int:
         rows: dict = {}
         json_path = os.path.join(args.out, f"{tag}.json")
         if args.resume and os.path.exists(json_path):
-            _, rows = load_rows(json_path)
+            old_meta, rows = load_rows(json_path)
+            # peers measured by an earlier call and not probed by this one keep their version
+            versions = {**(old_meta.get("versions") or {}), **versions}
             print(f"note: resuming from {json_path} ({len(rows)} rows)", file=sys.stderr)
         # A time-limited lease ends with SIGTERM (``timeout``): report what is done.
         signal.signal(signal.SIGTERM, _interrupt)

@@ -598,20 +598,70 @@ class FLARouted(FLA):
         return _fla_style_call(self.fn, a)
 
 
+def flashinfer_gdn_generation(version: str) -> str:
+    """How FlashInfer ``version`` runs its SM90 GDN prefill.
+
+    ``"cute-dsl"`` (0.7 on): CuTe-DSL kernels that each process compiles in memory on its
+    first call (seconds per kernel, no nvcc; nvidia-cutlass-dsl must be importable).
+    ``"cpp-module"`` (before 0.7, and versions that do not parse): a C++/CUDA module,
+    prebuilt (AOT) or else JIT-compiled by nvcc on first use (> 7.5 min on the H200 host).
+    """
+    m = re.match(r"\s*(\d+)\.(\d+)", version or "")
+    return "cute-dsl" if m and (int(m.group(1)), int(m.group(2))) >= (0, 7) else "cpp-module"
+
+
+FLASHINFER_CP = {"auto": "auto", "on": True, "off": False}
+
+
+def flashinfer_call_options(version: str, cp: str = "auto") -> dict:
+    """Keywords our call adds to FlashInfer's ``chunk_gated_delta_rule`` beyond 0.6.x's
+    (``q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens``, which
+    0.7.x keeps with the same meaning): none for 0.6.x; for 0.7.x its own defaults made
+    explicit, ``backend="auto"`` and ``use_cp`` (``--flashinfer-cp``: ``auto``, ``on``,
+    ``off``). ``max_seqlen`` is added per call (see :class:`FlashInfer`). Raises
+    ``ValueError`` for ``cp`` other than ``auto`` on a version without ``use_cp``."""
+    if cp not in FLASHINFER_CP:
+        raise ValueError(f"flashinfer cp must be one of {sorted(FLASHINFER_CP)}, got {cp!r}")
+    if flashinfer_gdn_generation(version) != "cute-dsl":
+        if cp != "auto":
+            raise ValueError(f"FlashInfer {version} has no use_cp (0.7+ has)")
+        return {}
+    return {"backend": "auto", "use_cp": FLASHINFER_CP[cp]}
+
+
 class FlashInfer(Impl):
-    """FlashInfer 0.6.13 GDN prefill, forward only, in its own conventions: packed
-    ``[T,H,K]``, cu_seqlens mandatory (int64), g = alpha = exp(g_log) fp32 ``[T,Hv]``,
-    beta fp32 ``[T,Hv]``, states ``[N,Hv,V,K]``."""
+    """FlashInfer's GDN prefill, forward only, in its own conventions, 0.6.x and 0.7.x
+    alike: packed ``[T,H,K]``, cu_seqlens mandatory (int64), g = alpha = exp(g_log) fp32
+    ``[T,Hv]``, beta fp32 ``[T,Hv]``, states ``[N,Hv,V,K]``.
+
+    0.7.x (CuTe-DSL kernels on SM90) also gets, see :func:`flashinfer_call_options`:
+    ``backend="auto"``, ``use_cp`` (``--flashinfer-cp``; its ``auto`` takes the
+    context-parallel kernels when sequences x heads is below half the SMs) and
+    ``max_seqlen``, the longest sequence of the call, known on the host without a sync,
+    which its docs ask batched callers to pass (the CP kernels size their grids by it;
+    without it they assume one sequence of all the tokens)."""
 
     name = "flashinfer"
     differentiable = False
 
     def load(self, ctx):
         import flashinfer
-        from flashinfer.gdn_prefill import chunk_gated_delta_rule
+        import flashinfer.gdn_prefill as gdn
 
-        self.fn = chunk_gated_delta_rule
-        return getattr(flashinfer, "__version__", "?")
+        self.fn = gdn.chunk_gated_delta_rule
+        version = getattr(flashinfer, "__version__", "?")
+        try:
+            self.options = flashinfer_call_options(version, ctx.get("flashinfer_cp") or "auto")
+        except ValueError as e:
+            raise ImportError(str(e)) from None
+        self.pass_max_seqlen = bool(self.options)
+        capability = tuple(ctx.get("capability") or (0, 0))
+        if (self.pass_max_seqlen and capability[:1] == (9,)
+                and getattr(gdn, "chunk_gated_delta_rule_sm90", "") is None):
+            # 0.7.x swallows the kernel module's ImportError and fails at the first call
+            raise ImportError("FlashInfer's SM90 CuTe-DSL GDN kernel did not import "
+                              "(is nvidia-cutlass-dsl importable?)")
+        return version
 
     def prepare(self, inp, ctx, requires_grad=False):
         t = inp["q"].shape[1]
@@ -623,9 +673,13 @@ class FlashInfer(Impl):
             "beta": inp["beta"].reshape(t, -1).float().contiguous(),
             "h0_vk": inp["h0"].transpose(-1, -2).contiguous(),
             "cu": inp["cu_seqlens_cpu"].to(inp["q"].device),
+            "max_seqlen": int(max(inp["seqlens"])),
         }
 
     def call(self, a):
+        extra = dict(self.options)
+        if self.pass_max_seqlen:
+            extra["max_seqlen"] = a["max_seqlen"]
         return self.fn(
             a["q"],
             a["k"],
@@ -636,6 +690,7 @@ class FlashInfer(Impl):
             initial_state=a["h0_vk"],
             output_final_state=True,
             cu_seqlens=a["cu"],
+            **extra,
         )
 
     def canon(self, out, a):
@@ -851,15 +906,17 @@ def task_probe(spec: dict) -> dict:
                 versions[name] = getattr(m, "__version__", "?")
             except Exception as e:  # noqa: BLE001
                 versions[name] = f"not installed ({type(e).__name__}: {e})"[:300]
-        if "flashinfer" in versions and not versions["flashinfer"].startswith("not"):
+        if ("flashinfer" in versions and not versions["flashinfer"].startswith("not")
+                and flashinfer_gdn_generation(versions["flashinfer"]) == "cpp-module"):
             res["flashinfer_gdn_built"] = _flashinfer_gdn_built()
     res["versions"] = versions
     return res
 
 
 def _flashinfer_gdn_built() -> bool:
-    """Whether FlashInfer's SM90 GDN prefill module exists already (AOT or JIT cache);
-    without it the first call JIT-compiles for more than 7.5 minutes on the H200 host."""
+    """Whether FlashInfer 0.6.x's SM90 GDN prefill module exists already (AOT or JIT
+    cache); without it the first call JIT-compiles for more than 7.5 minutes on the H200
+    host. (0.7.x compiles CuTe-DSL kernels in-process instead: nothing to look for.)"""
     import glob
 
     import flashinfer
@@ -937,6 +994,12 @@ def task_bench(spec: dict) -> dict:
     if bwd:
         del grads
     _write(out_path, {**res, "status": "partial"})
+    if spec.get("ref_only"):
+        # ours run only to give the peers their reference (its row is kept from an
+        # earlier call, see bench --resume): no timing
+        res["status"] = "ok"
+        _write(out_path, res)
+        return res
 
     # timing: rotate buffer sets that would fit in L2
     nrot = n_rotations(input_bytes(inp)) if dev != "cpu" else 1
@@ -1308,7 +1371,9 @@ def peer_availability(peers: list[str], info: dict, device: str, flashqla_path: 
                 why = f"not installed: no flash_qla/__init__.py under {flashqla_path}"
         elif str(versions.get(peer, "not installed")).startswith("not installed"):
             why = str(versions.get(peer, "not installed"))
-        elif peer == "flashinfer" and not info.get("flashinfer_gdn_built") and not flashinfer_jit:
+        elif (peer == "flashinfer" and not flashinfer_jit
+              and flashinfer_gdn_generation(str(versions.get(peer))) == "cpp-module"
+              and not info.get("flashinfer_gdn_built")):
             why = (
                 "skipped: FlashInfer's GDN module is not prebuilt (its JIT takes > 7.5 min); "
                 "pass --flashinfer-jit to allow it"

@@ -458,3 +458,115 @@ def test_scratch_names_of_long_layouts_stay_short_and_distinct():
     a, b = bench._safe(f"fwd:2/4@seqs={lens}"), bench._safe(f"fwd:2/4@seqs={lens}+1")
     assert len(a) <= 120 and len(b) <= 120 and a != b
     assert bench._safe("fwd:2/4@1x8192") == "fwd-2_4-1x8192"
+
+
+def test_flashinfer_versions_get_their_call_options():
+    """FlashInfer 0.6.x and 0.7.x share the call the benchmark makes; 0.7.x (CuTe-DSL
+    kernels) also gets backend="auto" and use_cp, which 0.6.x does not know."""
+    assert C.flashinfer_gdn_generation("0.6.13") == "cpp-module"
+    assert C.flashinfer_gdn_generation("0.7.4") == "cute-dsl"
+    assert C.flashinfer_gdn_generation("0.7.4.post1") == "cute-dsl"
+    assert C.flashinfer_gdn_generation("1.0.0rc1") == "cute-dsl"
+    assert C.flashinfer_gdn_generation("?") == "cpp-module"
+    assert C.flashinfer_call_options("0.6.13") == {}
+    assert C.flashinfer_call_options("0.7.4") == {"backend": "auto", "use_cp": "auto"}
+    assert C.flashinfer_call_options("0.7.4", "on")["use_cp"] is True
+    assert C.flashinfer_call_options("0.7.4", "off")["use_cp"] is False
+    with pytest.raises(ValueError, match="no use_cp"):
+        C.flashinfer_call_options("0.6.13", "off")
+    with pytest.raises(ValueError):
+        C.flashinfer_call_options("0.7.4", "yes")
+
+
+def test_flashinfer_prebuilt_module_gate_is_for_0_6_only():
+    """0.6.x without a prebuilt GDN module is skipped unless --flashinfer-jit (its nvcc JIT
+    takes > 7.5 min); 0.7.x compiles CuTe-DSL kernels in-process: never skipped for that."""
+    for version, built, jit, skipped in (("0.6.13", False, False, True),
+                                         ("0.6.13", True, False, False),
+                                         ("0.6.13", False, True, False),
+                                         ("0.7.4", False, False, False)):
+        info = {"versions": {"ours": "0.2.0", "flashinfer": version},
+                "flashinfer_gdn_built": built}
+        why = C.peer_availability(["flashinfer"], info, "cuda", None, jit)["flashinfer"]
+        assert (why is not None and why.startswith("skipped")) == skipped, (version, built, jit)
+
+
+@pytest.mark.parametrize("version", ["0.6.13", "0.7.4"])
+def test_flashinfer_adapter_maps_arguments_by_version(version, monkeypatch):
+    """The FlashInfer adapter against a stand-in module: 0.6.x gets the 0.6 keywords only;
+    0.7.x also backend, use_cp (--flashinfer-cp) and max_seqlen = the longest sequence;
+    states go in as [N,H,V,K] and come back to [N,H,K,V]; g goes in as alpha = exp(g)."""
+    import types
+
+    import torch
+
+    seen = {}
+
+    def fake(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+             output_final_state=False, cu_seqlens=None, **kw):
+        seen.update(q=q, g=g, beta=beta, h0=initial_state, cu=cu_seqlens, kw=kw)
+        n, h = initial_state.shape[:2]
+        return torch.zeros(q.shape[0], h, v.shape[-1]), initial_state.clone()
+
+    fi = types.ModuleType("flashinfer")
+    fi.__version__ = version
+    gdn = types.ModuleType("flashinfer.gdn_prefill")
+    gdn.chunk_gated_delta_rule = fake
+    gdn.chunk_gated_delta_rule_sm90 = fake
+    fi.gdn_prefill = gdn
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setitem(sys.modules, "flashinfer.gdn_prefill", gdn)
+
+    shape = C.Shape.from_key("fwd:2/4@seqs=50+78")
+    inp = C.make_inputs(shape, "model", 0, "cpu", with_grads=False)
+    impl = C.FlashInfer()
+    ctx = {"capability": [9, 0], "flashinfer_cp": "off" if version == "0.7.4" else "auto"}
+    assert impl.load(ctx) == version
+    a = impl.prepare(inp, ctx)
+    o, ht = impl.canon(impl.call(a), a)
+    if version == "0.7.4":
+        assert seen["kw"] == {"backend": "auto", "use_cp": False, "max_seqlen": 78}
+    else:
+        assert seen["kw"] == {}
+    assert seen["cu"].dtype == torch.int64 and seen["cu"].tolist() == [0, 50, 128]
+    assert seen["q"].shape == (128, 2, 128)
+    assert seen["g"].dtype == torch.float32
+    torch.testing.assert_close(seen["g"], inp["g"].reshape(128, 4).exp())
+    torch.testing.assert_close(seen["h0"], inp["h0"].transpose(-1, -2))
+    torch.testing.assert_close(ht, inp["h0"])
+    assert o.shape == (1, 128, 4, 128)
+    # 0.6.x has no use_cp: asking for one reports FlashInfer as not installed
+    if version == "0.6.13":
+        with pytest.raises(ImportError, match="no use_cp"):
+            C.FlashInfer().load({"flashinfer_cp": "on"})
+    # 0.7.x whose SM90 kernel did not import (e.g. no nvidia-cutlass-dsl) on an SM90 GPU
+    if version == "0.7.4":
+        gdn.chunk_gated_delta_rule_sm90 = None
+        with pytest.raises(ImportError, match="CuTe-DSL"):
+            C.FlashInfer().load({"capability": [9, 0]})
+        assert C.FlashInfer().load({"capability": [10, 0]}) == version
+
+
+@needs_ours
+def test_resume_keeps_ours_row_when_ours_only_makes_the_reference(tmp_path):
+    """A peer measured in a later call (--resume) reruns ours only for the reference
+    outputs: ours' row from the first call stays (timings and all), so the later call may
+    use another backend for the reference (the FlashInfer-only device call does), and the
+    peers of the first call keep their versions in the report's metadata."""
+    shape = "fwd:2/4@1x128"
+    first = _run([BENCH, "--device", "cpu", "--out", str(tmp_path), "--peers", "none",
+                  "--shapes", shape])
+    assert first.returncode == 0, first.stdout + first.stderr
+    before = json.loads((tmp_path / "cpu.json").read_text())
+    ours_before = next(r for r in before["results"] if r["impl"] == "ours")
+    before["meta"]["versions"]["fla"] = "9.9.9"    # as if an earlier call had measured FLA
+    (tmp_path / "cpu.json").write_text(json.dumps(before))
+    second = _run([BENCH, "--device", "cpu", "--out", str(tmp_path), "--peers", "unsplit",
+                   "--shapes", shape, "--resume"])
+    assert second.returncode == 0, second.stdout + second.stderr
+    after = json.loads((tmp_path / "cpu.json").read_text())
+    rows = {r["impl"]: r for r in after["results"]}
+    assert rows["unsplit"]["status"] == "ok" and rows["unsplit"]["err_max"] < 1e-6
+    assert rows["ours"]["eager_ms"] == ours_before["eager_ms"]
+    assert rows["ours"]["reference_rerun"]["status"] == "ok"   # its backend: torch on cpu
+    assert after["meta"]["versions"]["fla"] == "9.9.9"
