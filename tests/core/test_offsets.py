@@ -128,4 +128,4 @@ def test_kept_offsets_never_reads(reads):
     copy = offsets._kept_copy(fake_device)
     assert offsets._copies[id(fake_device)][3] is copy and len(reads) == 1
     fake_device[0] = 0                                    # in place: version bumped
-    assert offsets._copies[id(fake_device)][1] != offsets._version(fake_device)
+    assert offsets._copies[id(fake_device)][1] != offsets.version_of(fake_device)

@@ -13,16 +13,7 @@ import re
 import pytest
 
 tilelang = pytest.importorskip("tilelang", reason="TileLang is not installed")
-pytestmark = pytest.mark.nvcc
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fresh_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.mktemp("tilelang-cache")))
-    mp.setenv("TILELANG_PRINT_ON_COMPILATION", "0")
-    yield
-    mp.undo()
+pytestmark = [pytest.mark.nvcc, pytest.mark.usefixtures("fresh_tilelang_cache")]
 
 
 def _source(builder, *args) -> str:

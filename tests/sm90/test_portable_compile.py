@@ -9,22 +9,13 @@ from __future__ import annotations
 import pytest
 
 tilelang = pytest.importorskip("tilelang", reason="TileLang is not installed")
-pytestmark = pytest.mark.nvcc
+pytestmark = [pytest.mark.nvcc, pytest.mark.usefixtures("fresh_tilelang_cache")]
 
 BLACKWELL = ["sm_100a", "sm_103a", "sm_120a", "sm_121a"]
 #: instructions a kernel meant to run on every Blackwell chip must not use (wgmma: Hopper
 #: only; tcgen05: SM100-family only; setmaxnreg compiles on every Blackwell target,
 #: docs/blackwell-plan.md)
 HOPPER_ONLY = ("wgmma", "tcgen05")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fresh_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.mktemp("tilelang-cache")))
-    mp.setenv("TILELANG_PRINT_ON_COMPILATION", "0")
-    yield
-    mp.undo()
 
 
 @pytest.mark.parametrize("arch", BLACKWELL)

@@ -31,7 +31,7 @@ CACHE_SIZE = 16
 _copies: OrderedDict[int, tuple[weakref.ref, int, int, torch.Tensor]] = OrderedDict()
 
 
-def _version(t: torch.Tensor) -> int | None:
+def version_of(t: torch.Tensor) -> int | None:
     """The in-place version counter; None for inference tensors, which have none."""
     try:
         return t._version
@@ -55,19 +55,29 @@ def _copy_to_host(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return cu_seqlens.to("cpu")                                  # the one sync
 
 
+def _kept(cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+    """The host copy kept of this very tensor (same object, version and storage), or
+    None; inference tensors (no version counter) are never kept."""
+    kept = _copies.get(id(cu_seqlens))
+    version = version_of(cu_seqlens)
+    if (kept is None or version is None or kept[0]() is not cu_seqlens or kept[1] != version
+            or kept[2] != cu_seqlens.data_ptr()):
+        return None
+    _copies.move_to_end(id(cu_seqlens))
+    return kept[3]
+
+
 def _kept_copy(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """:func:`_copy_to_host` of ``cu_seqlens``, kept per (object, version, storage)."""
-    version = _version(cu_seqlens)
-    key = id(cu_seqlens)
-    kept = _copies.get(key)
-    if (kept is not None and version is not None and kept[0]() is cu_seqlens
-            and kept[1] == version and kept[2] == cu_seqlens.data_ptr()):
-        _copies.move_to_end(key)
-        return kept[3]
+    host = _kept(cu_seqlens)
+    if host is not None:
+        return host
     host = _copy_to_host(cu_seqlens)
+    version = version_of(cu_seqlens)
     if version is not None:
-        _copies[key] = (weakref.ref(cu_seqlens), version, cu_seqlens.data_ptr(), host)
-        _copies.move_to_end(key)
+        _copies[id(cu_seqlens)] = (weakref.ref(cu_seqlens), version, cu_seqlens.data_ptr(),
+                                   host)
+        _copies.move_to_end(id(cu_seqlens))
         while len(_copies) > CACHE_SIZE:
             _copies.popitem(last=False)
     return host
@@ -77,14 +87,7 @@ def kept_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor | None:
     """The host copy :func:`read_offsets` kept of this very tensor (same object, version
     and storage), or None; never reads the device, so it may be asked during a capture
     (a heuristic's input there, e.g. the split's segment length, never a size)."""
-    if cu_seqlens.device.type == "cpu":
-        return cu_seqlens
-    kept = _copies.get(id(cu_seqlens))
-    version = _version(cu_seqlens)
-    if (kept is None or version is None or kept[0]() is not cu_seqlens or kept[1] != version
-            or kept[2] != cu_seqlens.data_ptr()):
-        return None
-    return kept[3]
+    return cu_seqlens if cu_seqlens.device.type == "cpu" else _kept(cu_seqlens)
 
 
 def host_offsets(cu_seqlens: torch.Tensor | None,

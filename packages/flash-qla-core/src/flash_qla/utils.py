@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as nnf
 
 from flash_qla import validation
+from flash_qla.offsets import version_of as _version_of
 
 __all__ = [
     "fill_last_chunk_of_g",
@@ -50,14 +51,6 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _version_of(t: torch.Tensor) -> int | None:
-    """The in-place version counter; None for inference tensors, which have none."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def _same_argument(a: Any, b: Any, b_version: int | None) -> bool:

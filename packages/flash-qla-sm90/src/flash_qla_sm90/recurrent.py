@@ -8,7 +8,7 @@ import torch
 
 from .kernels.recurrent_step import recurrent_step_kernel
 from .launch import launcher
-from .layout import DTYPE_NAMES, packed
+from .layout import DTYPE_NAMES, dense_layout, packed
 
 
 def recurrent_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_indices,
@@ -21,10 +21,9 @@ def recurrent_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_i
     B, T, _, K = q.shape
     Hv, V = v.shape[2:]
     device = q.device
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-    else:
-        cu = cu_seqlens.to(torch.int32)
+    # the dense offsets come from the chunk layout's cache (B rows of T tokens)
+    cu = dense_layout(B, T, device).cu_seqlens if cu_seqlens is None else cu_seqlens.to(
+        torch.int32)
     N = cu.numel() - 1
     if state_indices is not None:
         slots = state_indices.to(torch.int32)
