@@ -20,7 +20,8 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
 ROOT = Path(__file__).resolve().parent
-PACKAGES = ["flash-qla-core", "flash-qla-sm90", "flash-qla-sm100", "flash-qla-sm120"]
+PACKAGES = ["flash-qla-core", "flash-qla-tilelang", "flash-qla-sm90", "flash-qla-sm100",
+            "flash-qla-sm120"]
 # The CPU build of torch that the CI machine keeps on disk for `pip install`; a range
 # (or plain "torch") would download a multi-GB CUDA build instead.
 CPU_TORCH = "torch==2.13.0"
@@ -28,7 +29,7 @@ RUFF = "ruff==0.17.6"
 
 
 def _install_packages(session: nox.Session, *pip_args: str, extras: str = "test,info") -> None:
-    """The four packages, editable; the core with ``extras``."""
+    """Every package, editable; the core with ``extras``."""
     args = ["-e", f"packages/flash-qla-core[{extras}]"]
     for package in PACKAGES[1:]:
         args += ["-e", f"packages/{package}"]
@@ -95,7 +96,8 @@ def _fill_kernel_cache(session: nox.Session) -> None:
         session.warn("nvcc not found: the sm90 wheel ships no precompiled kernels")
         return
     session.install(CPU_TORCH)
-    session.install("-e", "packages/flash-qla-core", "-e", "packages/flash-qla-sm90")
+    session.install("-e", "packages/flash-qla-core", "-e", "packages/flash-qla-tilelang",
+                    "-e", "packages/flash-qla-sm90")
     cache = ROOT / "packages/flash-qla-sm90/src/flash_qla_sm90/kernel_cache"
     session.run("python", "-m", "flash_qla_sm90.precompile", str(cache))
 

@@ -1,7 +1,7 @@
 """Fit the segment-split cost model of the sm90 planner from benchmark results.
 
-``flash_qla_sm90.plan.segment_len`` (issue 6) predicts a split's time from the fitted
-recurrence and prepare costs plus constants kept in ``flash_qla_sm90.plan``; this
+``flash_qla_tl.plan.segment_len`` (issue 6) predicts a split's time from the fitted
+recurrence and prepare costs plus constants kept in ``flash_qla_tl.plan``; this
 script refits those constants from ``bench_gated_delta_rule.py`` result files (JSON,
 e.g. the ``seg`` / ``fla`` stages of ``tools/h200_session.sh``):
 
@@ -44,7 +44,7 @@ SM_COUNT = 132          # the H200 the results come from
 def _rows(path: str, bounded: bool) -> list[dict]:
     """Our ok rows of one result file, each with its segment length (``seg``),
     sequence lengths (``lens``) and measured ``us``."""
-    from flash_qla_sm90 import plan
+    from flash_qla_tl import plan
 
     with open(path) as f:
         data = json.load(f)
@@ -84,7 +84,7 @@ def fit_exact(rows: list[dict]) -> tuple[float, float]:
 
 def _exact_terms(rows: list[dict]) -> None:
     """x = scan steps, y = measured minus the passes the model already prices."""
-    from flash_qla_sm90 import plan
+    from flash_qla_tl import plan
 
     for r in rows:
         r["x"] = -(-max(r["lens"]) // r["seg"])
@@ -92,7 +92,7 @@ def _exact_terms(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    from flash_qla_sm90 import plan
+    from flash_qla_tl import plan
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -31,9 +31,9 @@ def run_shape(shape, args):
     from tune_chunk_fwd import bench
 
     import flash_qla
-    from flash_qla_sm90.backward import chunk_grads, chunk_states, fused_grads, pack, state_grads
-    from flash_qla_sm90.layout import host_chunks
-    from flash_qla_sm90.plan import waves
+    from flash_qla_tl.backward import chunk_grads, chunk_states, fused_grads, pack, state_grads
+    from flash_qla_tl.layout import host_chunks
+    from flash_qla_tl.plan import waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))

@@ -12,7 +12,7 @@ Times are CUDA-event medians (``triton.testing.do_bench``).
 
 ``--compile-only`` builds both kernels for sm_90a without a GPU (TileLang's cache), so
 the device's minutes go to running. Prints one table: ms and error per shape x kernel,
-and the per-unit cost the planner's cost model holds (``flash_qla_sm90.plan``): for the
+and the per-unit cost the planner's cost model holds (``flash_qla_tl.plan``): for the
 recurrence "us/chunk" = ms / (waves of one CTA per (sequence, head) per SM x chunks of
 the longest sequence), ``FWD_CHUNK_US``; for the prepare us per (chunk, value head),
 ``PREPARE_US_PER_CHUNK_HEAD``. The last line fits both (medians over the uniform-length
@@ -34,8 +34,8 @@ PREPARE, RECURRENCE = "prepare", "ws"
 
 
 def compile_kernels(dtype="bfloat16"):
-    from flash_qla_sm90.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-    from flash_qla_sm90.kernels.chunk_state_output import chunk_fwd_ws_kernel
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
     chunk_prepare_blocked_kernel(dtype, 128)
     for has_h0 in (False, True):
@@ -48,10 +48,10 @@ def run_shape(shape, args):
     from common import make_inputs, rel_err
 
     import flash_qla
-    from flash_qla_sm90.forward import state_output
-    from flash_qla_sm90.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-    from flash_qla_sm90.layout import layout_for, packed
-    from flash_qla_sm90.plan import waves
+    from flash_qla_tl.forward import state_output
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_tl.layout import layout_for, packed
+    from flash_qla_tl.plan import waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -142,7 +142,7 @@ def tune(args) -> int:
     from common import Shape
     from tabulate import tabulate
 
-    from flash_qla_sm90 import plan
+    from flash_qla_tl import plan
 
     rows = []
     for spec in args.shapes.split(","):

@@ -42,7 +42,7 @@ def force_fused_backward(monkeypatch, fused: bool) -> None:
     """Both sm90 backwards (unsplit and bounded split) take the fused kernel (True) or
     the sweep and the per-chunk kernel (False), whatever ``plan.fused_backward`` would
     pick (imports the sm90 package: call it from sm90 tests only)."""
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     for name in ("chunk_bwd", "chunk_bwd_warmup"):
         planned = getattr(backward, name)

@@ -153,7 +153,7 @@ def test_tune_help():
 
 def test_tune_fits_the_forward_cost_model():
     """The per-kernel median of "us/unit" over uniform-length shapes (varlen rows left
-    out) is what ``flash_qla_sm90.plan``'s FWD_CHUNK_US and PREPARE_US_PER_CHUNK_HEAD
+    out) is what ``flash_qla_tl.plan``'s FWD_CHUNK_US and PREPARE_US_PER_CHUNK_HEAD
     hold."""
     sys.path.insert(0, os.path.dirname(TUNE))
     import tune_chunk_fwd

@@ -56,7 +56,7 @@ class _Recorder:
         functools.update_wrapper(self, builder)
 
     def __call__(self, *static):
-        from flash_qla_sm90.launch import _direct
+        from flash_qla_tl.launch import _direct
 
         kernel = _direct(self.builder(*static))            # what the launcher would call
 
@@ -134,8 +134,8 @@ def main() -> None:
     impl.load(ctx)
     recorders = {}
     if args.impl == "ours" and not (args.backward or args.fwd_bwd):
-        from flash_qla_sm90 import forward
-        from flash_qla_sm90.launch import launcher
+        from flash_qla_tl import forward
+        from flash_qla_tl.launch import launcher
 
         recorders["ws"] = forward.chunk_fwd_ws_kernel = _Recorder(forward.chunk_fwd_ws_kernel)
         recorders["prepare"] = forward.chunk_prepare_blocked_kernel = _Recorder(

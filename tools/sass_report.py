@@ -78,7 +78,7 @@ def parse(sass: str, source_name: str) -> tuple[collections.Counter, dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("module",
-                    help="kernel module of flash_qla_sm90.kernels, e.g. chunk_input_grads")
+                    help="kernel module of flash_qla_tl.kernels, e.g. chunk_input_grads")
     ap.add_argument("builder", help="its kernel builder, e.g. chunk_bwd_intra_kernel")
     ap.add_argument("args", nargs="*", help="the builder's static arguments (Python literals "
                     "or bare strings: bfloat16 128 128 True)")
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
-    module = importlib.import_module(f"flash_qla_sm90.kernels.{a.module}")
+    module = importlib.import_module(f"flash_qla_tl.kernels.{a.module}")
     args = []
     for text in a.args:
         try:

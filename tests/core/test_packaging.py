@@ -65,7 +65,8 @@ def test_import_flash_qla_is_light():
         "import sys, flash_qla, flash_qla.dispatch\n"
         "assert flash_qla.dispatch._discovery is None, 'discovery ran at import'\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('tilelang', 'tvm', 'flash_qla_sm90', 'flash_qla_sm100', 'flash_qla_sm120'))\n"
+        "('tilelang', 'tvm', 'flash_qla_tl', 'flash_qla_sm90', 'flash_qla_sm100', "
+        "'flash_qla_sm120'))\n"
         "assert not heavy, heavy\n"
     )
     proc = run_python("-c", code)
@@ -121,16 +122,29 @@ def test_package_without_kernels_says_so(name):
 
 
 def test_sm90_spec_matches_its_kernel_traits():
-    """The light spec repeats the traits of the kernels; they must agree."""
+    """The light spec repeats the traits of the shared kernels; they must agree."""
     require("flash-qla-sm90")
+    require("flash-qla-tilelang")
     import flash_qla_sm90
+    import flash_qla_tl
 
-    traits = Path(flash_qla_sm90.__file__).parent / "kernels" / "traits.py"
-    if not traits.exists():
-        pytest.skip("flash_qla_sm90/kernels/traits.py is not written yet")
+    traits = Path(flash_qla_tl.__file__).parent / "kernels" / "traits.py"
     values = runpy.run_path(str(traits))
     assert flash_qla_sm90.BACKEND.head_dims == tuple(values["HEAD_DIMS"])
     assert flash_qla_sm90.BACKEND.dtypes == tuple(values["DTYPES"])
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_PACKAGES))
+def test_kernel_package_depends_on_the_shared_kernels(name):
+    """Every arch package pulls the shared TileLang kernels (``flash-qla-tilelang``,
+    which pins TileLang) in the version of its own minor release line."""
+    distribution, _ = KERNEL_PACKAGES[name]
+    require(distribution)
+    requires = importlib.metadata.requires(distribution) or []
+    shared = [r for r in requires if r.startswith("flash-qla-tilelang")]
+    assert shared, requires
+    require("flash-qla-tilelang")
+    assert "tilelang==0.1.15" in importlib.metadata.requires("flash-qla-tilelang")
 
 
 def test_core_extras_pin_the_kernel_packages():

@@ -109,7 +109,7 @@ def test_kept_chunk_states_give_the_recomputed_gradients(case, segment_len, monk
     stored (chunk_fwd_ws with o and h in q's dtype) and recomputes nothing; its
     gradients equal, bitwise, those of ``save_chunk_states=False`` (the states-only
     recompute runs the same state chain)."""
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     recomputes = []
     real = backward.state_output
@@ -136,7 +136,7 @@ def test_bounded_training_step_inside_graph_capture(monkeypatch, fused):
     recurrence. ``fused``: the backward's kernels are the boundary sweep and
     ``chunk_bwd_fused`` (forced: at this size the cost model keeps the two kernels)."""
     from flash_qla import api
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     case = Case(1, 8192, 2, 4)                       # the planner splits it (512 tokens)
     bounded, fused_runs = [], []
@@ -218,7 +218,7 @@ def test_dh_kernel_matches_torch_sweep(case):
     against the batched PyTorch sweep of the chunk-parallel backward given the same chunk
     states: every gradient and dh0."""
     from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
-    from flash_qla_sm90.backward import chunk_bwd, chunk_states
+    from flash_qla_tl.backward import chunk_bwd, chunk_states
 
     inp = make_inputs(case, seed=6)
     g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
@@ -253,7 +253,7 @@ def swept_problem(case, seed: int = 6) -> SimpleNamespace:
     both in q's dtype, its ``dh0``, ``dht``, and ``ref``: the chunk-parallel PyTorch
     gradients given those states."""
     from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
-    from flash_qla_sm90.backward import chunk_states, state_grads
+    from flash_qla_tl.backward import chunk_states, state_grads
 
     inp = make_inputs(case, seed=seed)
     g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
@@ -274,7 +274,7 @@ def test_intra_kernel_matches_torch_chunk_grads(case):
     """The chunk_bwd_intra kernel (``chunk_grads``) against the chunk-parallel PyTorch
     gradients given the same h and dS1 (in q's dtype): relative L2 < 1e-2 for dq, dk, dv
     and < 2e-2 for dbeta, dg; same dtypes and shapes."""
-    from flash_qla_sm90.backward import chunk_grads
+    from flash_qla_tl.backward import chunk_grads
 
     x = swept_problem(case)
     ours = chunk_grads(*x.args, x.h, x.dS1, **x.common)
@@ -291,7 +291,7 @@ def test_group_sum_kernel_matches_fp64_sum(G, M, dtype):
     sum over the group of the same inputs: within one rounding of the result to
     ``dtype`` (it accumulates in fp32), M not a multiple of its 32-row tile, and
     deterministic."""
-    from flash_qla_sm90.backward import sum_groups
+    from flash_qla_tl.backward import sum_groups
 
     gen = torch.Generator(device="cuda").manual_seed(G * 1000 + M)
     x = torch.randn(G, M, 3, 128, device="cuda", generator=gen).to(dtype)   # [G, Tt, Hk, K]

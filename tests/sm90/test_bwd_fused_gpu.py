@@ -34,7 +34,7 @@ def _force_fused(monkeypatch, on: bool = True) -> list:
     """Both backwards take the fused kernel (``plan.fused_backward`` would leave these
     small grids to the two kernels), or never. Returns the list every run of
     ``fused_grads`` appends to, so a test can check which path ran."""
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     force_fused_backward(monkeypatch, on)
     runs = []
@@ -58,7 +58,7 @@ def test_fused_kernel_matches_torch_chunk_grads(case):
     """``fused_grads`` (h in q's dtype, as the backward keeps it) against the
     chunk-parallel PyTorch gradients and sweep given the same states: every gradient and
     dh0, same shapes and dtypes."""
-    from flash_qla_sm90.backward import fused_grads
+    from flash_qla_tl.backward import fused_grads
 
     x = swept_problem(case)
     ours = fused_grads(*x.args, x.h, dht=x.dht, **x.common)

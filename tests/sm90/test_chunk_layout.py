@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_qla.utils import prepare_chunk_indices, prepare_chunk_offsets
-from flash_qla_sm90.layout import dense_layout, varlen_layout
+from flash_qla_tl.layout import dense_layout, varlen_layout
 
 CU_SEQLENS = {
     "empty-first": [0, 0, 64],
@@ -50,7 +50,7 @@ def test_static_layout_is_kept_per_token_count_and_never_replaced():
     """A static offsets tensor keeps one layout per token count (a dense input and a
     padded varlen one share a plan), and a later count never replaces an earlier one
     (a graph may read it); a layout built while capturing is not kept."""
-    from flash_qla_sm90.layout import static_layout
+    from flash_qla_tl.layout import static_layout
 
     cu = torch.tensor([0, 300, 640], dtype=torch.int32)
     first = static_layout(cu, 640, capturing=False)

@@ -24,7 +24,7 @@ def _source(builder, *args) -> str:
 def test_blocked_prepare_runs_its_products_on_fp16_wgmma(dtype):
     """chunk_prepare_blocked: K K^T in the input dtype, then the four products of the
     blocked inverse with fp16 operands, all on WGMMA (no mma.sync fallback)."""
-    from flash_qla_sm90.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
 
     src = _source(chunk_prepare_blocked_kernel, dtype, 128)
     kinds = {"bfloat16": "kBFloat16", "float16": "kFloat16"}
@@ -36,7 +36,7 @@ def test_blocked_prepare_runs_its_products_on_fp16_wgmma(dtype):
 def test_aux_warpgroup_forward_never_serialises_its_roles():
     """chunk_fwd_ws: the state chain is register-A WGMMAs; the roles meet only on the
     slot mbarriers (the one CTA-wide barrier is the barrier initialisation)."""
-    from flash_qla_sm90.kernels.chunk_state_output import chunk_fwd_ws_kernel
+    from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
     src = _source(chunk_fwd_ws_kernel, "bfloat16", 128, 128, True, True)
     assert src.count("tl::wgmma_rs<") >= 5
@@ -103,7 +103,7 @@ def test_fused_reverse_kernel_roles_keep_to_their_own_resources(tmp_path):
     block with the mbarriers; the cross-warp reductions (TileLang's, named barriers 1
     and 2) are all in the intra role's block, so no two roles meet on those ids; tiles
     load by TMA; ptxas keeps every WGMMA chain in flight."""
-    from flash_qla_sm90.kernels import chunk_grads_fused
+    from flash_qla_tl.kernels import chunk_grads_fused
 
     builder, args = _variant("bwd_fused")
     compiled = builder(*args)
@@ -174,7 +174,7 @@ def _ptxas_report(src: str, tmp_path) -> str:
 
 
 _DIMS = ("bfloat16", 128, 128)
-# name -> (module of flash_qla_sm90.kernels, builder, static args): shipped variants
+# name -> (module of flash_qla_tl.kernels, builder, static args): shipped variants
 # (``precompile.variants``), bf16, K = V = 128; ``_h``: stores h
 _VARIANTS = {
     "recurrent_step": ("recurrent_step", "recurrent_step_kernel", ("bfloat16", 128, 128, True)),
@@ -211,7 +211,7 @@ def _variant(name: str) -> tuple:
     import importlib
 
     module, builder, args = _VARIANTS[name]
-    return getattr(importlib.import_module(f"flash_qla_sm90.kernels.{module}"), builder), args
+    return getattr(importlib.import_module(f"flash_qla_tl.kernels.{module}"), builder), args
 
 
 @pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_intra",
@@ -233,7 +233,7 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_intra_kernel_compiles_to_wgmma(dtype):
     # one chunk per CTA, no loop to pipeline: guarded cp.async tile loads, WGMMA GEMMs
-    from flash_qla_sm90.kernels.chunk_input_grads import chunk_bwd_intra_kernel
+    from flash_qla_tl.kernels.chunk_input_grads import chunk_bwd_intra_kernel
 
     src = _source(chunk_bwd_intra_kernel, dtype, 128, 128)
     assert "wgmma" in src
@@ -246,7 +246,7 @@ def test_backward_intra_kernel_compiles_to_wgmma(dtype):
 def test_group_sum_kernel_reads_and_writes_16_bytes(dtype):
     """The GVA sum is a bandwidth kernel: every load of the per-head grads and every
     store of the sum moves 16 bytes (8 elements) per thread, accumulated in fp32."""
-    from flash_qla_sm90.kernels.group_sum import group_sum_kernel
+    from flash_qla_tl.kernels.group_sum import group_sum_kernel
 
     src = _source(group_sum_kernel, dtype, 128)
     assert re.search(r"\*\(uint4\*\)\(x_local_cast", src), src[:3000]

@@ -221,8 +221,8 @@ def test_high_level_options():
 
 def test_no_recompilation_across_shapes():
     """B, T, H, N and sequence lengths are dynamic: one compiled kernel per static config."""
-    from flash_qla_sm90.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-    from flash_qla_sm90.kernels.chunk_state_output import chunk_fwd_ws_kernel
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
     builders = (chunk_prepare_blocked_kernel, chunk_fwd_ws_kernel)
     warm = [Case(1, 64, 1, 1), Case(8, 256, 16, 32)]
@@ -307,8 +307,8 @@ def test_automatic_split_matches_recurrence():
     """The automatic segment plan: one long sequence at few heads is split by the cost
     model and still matches the fp64 recurrence; a grid that fills the GPU is not planned
     for a split."""
-    from flash_qla_sm90 import plan
-    from flash_qla_sm90.layout import sm_count
+    from flash_qla_tl import plan
+    from flash_qla_tl.layout import sm_count
 
     case = Case(1, 32768, 2, 8)
     inp = make_inputs(case, seed=21)

@@ -3,7 +3,7 @@ ops a training step issues around its kernels can be counted without a GPU. Each
 there is a kernel launch on the GPU (~15 us of host time per launch on the H200 hosts),
 and at 8192 tokens a training step is host-bound (docs/perf-notes.md, v11). The stubs
 also record which kernel variants the host path launches: exactly the shipped ones
-(``flash_qla_sm90.precompile.variants``)."""
+(``flash_qla_tl.precompile.variants``)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def built(monkeypatch):
     Returns the (builder name, static arguments) of every launcher built, in order:
     each configuration once (the launchers are kept per configuration)."""
     from flash_qla import api
-    from flash_qla_sm90 import backend, backward, forward, launch, recurrent
+    from flash_qla_tl import backend, backward, forward, launch, recurrent
 
     built = []
 
@@ -70,7 +70,7 @@ def built(monkeypatch):
 @pytest.fixture
 def sm90_without_launches(built, monkeypatch):
     """The host path of :func:`built`; returns which backward each step took."""
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     ran = []
     for name in ("chunk_bwd", "chunk_bwd_warmup"):
@@ -82,7 +82,7 @@ def sm90_without_launches(built, monkeypatch):
 def fused_launches(monkeypatch):
     """The statics after (dtype, K, V) of every launch of the forward kernel (and of none
     of the prepare's, whose statics are (dtype, K)), in order."""
-    from flash_qla_sm90 import forward
+    from flash_qla_tl import forward
 
     fused = []
     real = forward.launcher
@@ -213,7 +213,7 @@ def test_unsplit_backward_keeps_states_in_q_dtype(sm90_without_launches, monkeyp
     """The unsplit two-kernel backward (4 x 2048 at 16 heads) hands the per-chunk
     gradient kernel h and dS1 in q's dtype, with no conversion copy."""
     import flash_qla
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     seen = []
     real = backward.chunk_grads
@@ -246,7 +246,7 @@ def test_gva_backward_writes_per_head_grads_in_q_dtype(sm90_without_launches, mo
     """GVA (Hv = 2 Hk): the per-chunk gradient kernel writes dq, dk per value head in
     q's dtype and one reduction per tensor sums the heads (no cast copy after it)."""
     import flash_qla
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     launched = []
     _spy_launches(monkeypatch, backward, launched)
@@ -274,7 +274,7 @@ def test_gva_sum_reads_the_kernels_group_major_layout(sm90_without_launches, mon
     launch writes known per-value-head rows there by that rule: the returned dq, dk are
     each q/k head's sum over its own value heads (GVA 1:3, so a wrong group order shows)."""
     import flash_qla
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     gen = torch.Generator().manual_seed(5)
     B, T, Hk, Hv, K = 1, 128, 2, 6, 128
@@ -315,7 +315,7 @@ def test_captured_bounded_split_reuses_its_segment_layout(sm90_without_launches,
     the user's varlen offsets are rebuilt in every capture as before."""
     import flash_qla
     from flash_qla import validation
-    from flash_qla_sm90 import layout
+    from flash_qla_tl import layout
 
     capturing = {"on": False}
     for module in (validation, layout):
@@ -356,7 +356,7 @@ def test_captured_varlen_batch_is_split_on_the_device(sm90_without_launches, fus
     batch of 64 sequences (x 4 heads: more CTAs than SMs) stays unsplit either way."""
     import flash_qla
     from flash_qla import segments, validation
-    from flash_qla_sm90 import layout
+    from flash_qla_tl import layout
 
     for module in (validation, segments, layout):
         monkeypatch.setattr(module, "is_capturing", lambda device: True)
@@ -381,7 +381,7 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
     """A varlen batch of empty sequences (padding only) has no chunk; h and dS1 in q's
     dtype leave their kernels by TMA, whose descriptors need every dimension >= 1: the
     kernels get one row (never written), the callers none."""
-    from flash_qla_sm90 import backward, forward
+    from flash_qla_tl import backward, forward
 
     launched = {}
     for module, name in ((forward, "fwd"), (backward, "sweep")):
@@ -413,7 +413,7 @@ def test_fused_backward_launches(sm90_without_launches, monkeypatch, B, T, H, pa
     split (1 x 8192 at 4 heads) launches the boundary sweep (no dS1, dS at each segment's
     end) and then the fused kernel from those states."""
     import flash_qla
-    from flash_qla_sm90 import backward
+    from flash_qla_tl import backward
 
     force_fused_backward(monkeypatch, True)
     launched = []
@@ -476,7 +476,7 @@ def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     backward, h returned) and decode steps launch exactly the bf16 variants
     ``precompile.variants()``
     compiles ahead of time: none missing from the shipped cache, none shipped unused."""
-    precompile = pytest.importorskip("flash_qla_sm90.precompile")
+    precompile = pytest.importorskip("flash_qla_tl.precompile")
     for fused in (False, True):
         force_fused_backward(monkeypatch, fused)
         for (B, T), h0, dht, save in itertools.product(((2, 256), (1, 8192)), (False, True),

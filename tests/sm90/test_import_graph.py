@@ -1,7 +1,8 @@
-"""The package's import graph (CPU, from the source: nothing of flash_qla_sm90 is imported
-to build it): no cycle, counting the imports inside functions too; the device code in
-``kernels/`` never imports host code; and ``import flash_qla_sm90`` (what the core's
-backend discovery does) imports no TileLang, nor do the planning and layout modules."""
+"""The import graph of the shared kernel package ``flash_qla_tl`` (CPU, from the source:
+nothing of it is imported to build it): no cycle, counting the imports inside functions
+too; the device code in ``kernels/`` never imports host code; ``import flash_qla_sm90``
+(what the core's backend discovery does) imports no TileLang, nor do the arch, planning
+and layout modules; the arch package reaches the kernels only through its loader."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = "flash_qla_sm90"
-ROOT = Path(__file__).resolve().parents[2] / "packages" / "flash-qla-sm90" / "src" / PACKAGE
+PACKAGE = "flash_qla_tl"
+PACKAGES = Path(__file__).resolve().parents[2] / "packages"
+ROOT = PACKAGES / "flash-qla-tilelang" / "src" / PACKAGE
+ARCH_ROOT = PACKAGES / "flash-qla-sm90" / "src" / "flash_qla_sm90"
 
 
 def _module_name(path: Path) -> str:
@@ -81,12 +84,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_walks_every_module():
     graph = import_graph()
-    for name in ("flash_qla_sm90.forward", "flash_qla_sm90.backward", "flash_qla_sm90.plan",
-                 "flash_qla_sm90.layout", "flash_qla_sm90.kernels.chunk_state_output"):
+    for name in ("flash_qla_tl.forward", "flash_qla_tl.backward", "flash_qla_tl.plan",
+                 "flash_qla_tl.layout", "flash_qla_tl.arch",
+                 "flash_qla_tl.kernels.chunk_state_output"):
         assert name in graph, sorted(graph)
-    # function-level imports count: the loader's import of the backend is one
-    assert "flash_qla_sm90.backend" in graph["flash_qla_sm90"]
-    assert "flash_qla_sm90.forward" in graph["flash_qla_sm90.backward"]
+    assert "flash_qla_tl.forward" in graph["flash_qla_tl.backward"]
 
 
 def test_no_import_cycle():
@@ -108,9 +110,9 @@ def test_kernels_import_only_kernels():
     assert all(not deps for deps in host.values()), host
 
 
-#: The package's layers, bottom up (``flash_qla_sm90/__init__.py`` lists them): a module
+#: The package's layers, bottom up (``flash_qla_tl/__init__.py`` lists them): a module
 #: imports only modules of layers below its own (``kernels`` modules: also each other).
-LAYERS = ("kernels", "layout", "plan", "launch", "forward", "backward", "recurrent",
+LAYERS = ("arch", "kernels", "layout", "plan", "launch", "forward", "backward", "recurrent",
           "precompile", "backend")
 
 
@@ -127,28 +129,47 @@ def test_modules_import_only_the_layers_below():
     assert not upward, upward
 
 
-def test_no_function_level_imports_of_the_package_outside_the_loader():
-    """Imports of the package's own modules are at module top, except the loader's in
-    ``__init__`` (which keeps ``import flash_qla_sm90`` free of TileLang)."""
-    modules = _modules()
+def _function_level_imports(root: Path, prefixes: tuple[str, ...]) -> list:
+    """(module, function, import) of every import inside a function of the package at
+    ``root`` that is relative or of a module starting with one of ``prefixes``."""
     inner = []
-    for name, path in modules.items():
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
         for func in ast.walk(ast.parse(path.read_text())):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(func):
-                if isinstance(node, (ast.Import, ast.ImportFrom)):
-                    module = getattr(node, "module", None) or ""
-                    if node.__class__ is ast.ImportFrom and (node.level or
-                                                             module.startswith(PACKAGE)):
+                if isinstance(node, ast.ImportFrom):
+                    module = node.module or ""
+                    if node.level or module.startswith(prefixes):
                         inner.append((name, func.name, ast.unparse(node)))
-    assert inner == [(PACKAGE, "_load", "from flash_qla_sm90.backend import load")], inner
+    return inner
+
+
+def test_no_function_level_imports_of_the_package():
+    """Imports of the shared package's own modules are at module top."""
+    assert _function_level_imports(ROOT, (PACKAGE,)) == []
+
+
+def test_arch_package_reaches_the_kernels_only_through_its_loader():
+    """``flash_qla_sm90`` imports ``flash_qla_tl``'s TileLang modules only inside the
+    loader (which keeps ``import flash_qla_sm90`` free of TileLang); at module top it
+    imports only the TileLang-free ``flash_qla_tl.arch``."""
+    inner = _function_level_imports(ARCH_ROOT, ("flash_qla_tl", "flash_qla_sm90"))
+    assert inner == [("flash_qla_sm90.__init__", "_load",
+                      "from flash_qla_tl.backend import load")], inner
+    top = sorted({node.module for path in ARCH_ROOT.rglob("*.py")
+                  for node in ast.parse(path.read_text()).body
+                  if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                      "flash_qla_tl")})
+    assert set(top) <= {"flash_qla_tl.arch"}, top
 
 
 @pytest.mark.parametrize("modules", [
     ["flash_qla_sm90"],
-    ["flash_qla_sm90.plan", "flash_qla_sm90.layout", "flash_qla_sm90.kernels.traits"],
-], ids=["package", "plan-layout-traits"])
+    ["flash_qla_tl", "flash_qla_tl.arch", "flash_qla_tl.plan", "flash_qla_tl.layout",
+     "flash_qla_tl.kernels.traits", "flash_qla_sm90.arch"],
+], ids=["package", "arch-plan-layout-traits"])
 def test_importing_does_not_import_tilelang(modules):
     code = ("import sys\n"
             + "".join(f"import {m}\n" for m in modules)

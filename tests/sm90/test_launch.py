@@ -1,4 +1,4 @@
-"""``flash_qla_sm90.launch`` on the CPU: a launcher is built once per (builder,
+"""``flash_qla_tl.launch`` on the CPU: a launcher is built once per (builder,
 static arguments), and calls the compiled module directly only for TileLang 0.1.15's
 tvm-ffi adapter with nothing to allocate; anything else is called as it is. The builders
 here are stand-ins with the attributes the launcher reads, except in the last test
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-launch = pytest.importorskip("flash_qla_sm90.launch", reason="TileLang is not installed")
+launch = pytest.importorskip("flash_qla_tl.launch", reason="TileLang is not installed")
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +78,7 @@ def test_launcher_never_confuses_builders():
 def test_shipped_builder_launches_its_compiled_module_directly():
     """A real builder (test_compile's fwd_ws_h variant: compile-only) resolves to the
     compiled module its tvm-ffi adapter would call, once per configuration."""
-    from flash_qla_sm90.kernels.chunk_state_output import chunk_fwd_ws_kernel
+    from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
     static = ("bfloat16", 128, 128, True, True)
     kernel = chunk_fwd_ws_kernel(*static)

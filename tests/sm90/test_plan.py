@@ -1,4 +1,4 @@
-"""The per-call choices of ``flash_qla_sm90.plan`` (CPU: the rules, not the kernels).
+"""The per-call choices of ``flash_qla_tl.plan`` (CPU: the rules, not the kernels).
 The planner imports no TileLang."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from flash_qla_sm90 import plan
-from flash_qla_sm90.layout import dense_layout, static_flags, varlen_layout, walk_chunks
+from flash_qla_tl import plan
+from flash_qla_tl.layout import dense_layout, static_flags, varlen_layout, walk_chunks
 
 SMS = 132                         # the H200's SMs, which the cost model was fitted on
 
@@ -138,12 +138,12 @@ def test_each_choice_is_logged_once(caplog):
     the call (a training loop) logs nothing more."""
     plan._segment_len.cache_clear()
     plan._fused_backward.cache_clear()
-    with caplog.at_level(logging.DEBUG, logger="flash_qla_sm90.plan"):
+    with caplog.at_level(logging.DEBUG, logger="flash_qla_tl.plan"):
         for _ in range(3):
             plan.segment_len([0, 32768], 8, SMS, bounded=True)
             plan.fused_pays(64, 512, 16, SMS)
             plan.fused_backward(dense_layout(8, 4096, torch.device("cpu")), None, 16, SMS)
-    messages = [r.getMessage() for r in caplog.records if r.name == "flash_qla_sm90.plan"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "flash_qla_tl.plan"]
     assert len(messages) == 2, messages
     assert messages[0].startswith("bounded segment split: 2048 (")
     assert messages[1].startswith("fused backward: True (chunk_grads_fused")

@@ -20,7 +20,7 @@ HOPPER_ONLY = ("wgmma", "tcgen05")
 
 @pytest.mark.parametrize("arch", BLACKWELL)
 def test_recurrent_step_compiles_for_blackwell(arch):
-    from flash_qla_sm90.kernels.recurrent_step import recurrent_step_kernel
+    from flash_qla_tl.kernels.recurrent_step import recurrent_step_kernel
 
     prim = recurrent_step_kernel.func.orig_func("bfloat16", 128, 128, True)
     src = tilelang.compile(prim, target={"kind": "cuda", "arch": arch}).get_kernel_source()

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-precompile = pytest.importorskip("flash_qla_sm90.precompile",
+precompile = pytest.importorskip("flash_qla_tl.precompile",
                                  reason="TileLang is not installed")
 
 
@@ -17,14 +17,13 @@ def shipped(tmp_path, monkeypatch):
     src = tmp_path / "shipped"
     (src / "0.1.15" / "kernels").mkdir(parents=True)
     (src / "0.1.15" / "kernels" / "entry.bin").write_bytes(b"compiled")
-    monkeypatch.setattr(precompile, "SHIPPED", src)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
     return src
 
 
 def test_seeds_a_writable_cache_and_points_tilelang_at_it(shipped, tmp_path):
-    precompile.use_shipped_cache()
+    precompile.use_shipped_cache(shipped)
     target = tmp_path / "xdg" / "flash-qla" / "tilelang"
     assert os.environ["TILELANG_CACHE_DIR"] == str(target)
     assert (target / "0.1.15" / "kernels" / "entry.bin").read_bytes() == b"compiled"
@@ -32,14 +31,16 @@ def test_seeds_a_writable_cache_and_points_tilelang_at_it(shipped, tmp_path):
 
 def test_a_cache_dir_chosen_by_the_user_wins(shipped, tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "mine"))
-    precompile.use_shipped_cache()
+    precompile.use_shipped_cache(shipped)
     assert os.environ["TILELANG_CACHE_DIR"] == str(tmp_path / "mine")
     assert not (tmp_path / "xdg").exists()
 
 
-def test_shipped_cache_sits_in_the_package():
-    assert precompile.SHIPPED.parent.name == "flash_qla_sm90"
-    assert precompile.SHIPPED.name == "kernel_cache"
+def test_shipped_cache_sits_in_the_arch_package():
+    from flash_qla_sm90.precompile import SHIPPED
+
+    assert SHIPPED.parent.name == "flash_qla_sm90"
+    assert SHIPPED.name == "kernel_cache"
 
 
 def _names(dtype="bfloat16") -> list[tuple]:

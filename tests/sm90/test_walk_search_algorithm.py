@@ -21,7 +21,7 @@ import torch
 
 from flash_qla import segments
 from flash_qla.reference import TORCH_KERNELS
-from flash_qla_sm90.kernels.traits import WALK_UNROLL
+from flash_qla_tl.kernels.traits import WALK_UNROLL
 from tests.core.test_segments import _chunk_cumsum_args
 
 C = 64

@@ -503,7 +503,7 @@ def chunk_gated_delta_rule(
             when given, else as if one sequence held nearly all its tokens. sm90 splits when
             (sequences x heads) leave SMs idle: the bounded split into as many segments as one wave
             holds, the exact one (bound 0) into segments of 4096 or 8192 (cost model fitted on the
-            H200; ``flash_qla_sm90.plan``). False: never.
+            H200; ``flash_qla_tl.plan``). False: never.
         segment_len: tokens per segment (a positive multiple of 64) of the segment-
             parallel forward (:mod:`flash_qla.segments`). None (default): no split
             (unless ``auto_cp``). With ``segment_shortcut_bound`` > 0 on a backend

@@ -4,22 +4,17 @@ This module is what the ``flash_qla.backends`` entry point ``sm90`` points at. I
 declares :data:`BACKEND`; importing it imports neither TileLang nor the kernels, and
 compiles nothing. The kernels load on first use, through ``BACKEND.loader``.
 
-The package, by role (each module imports only those above it):
+The kernels and the host code that launches them live in ``flash_qla_tl`` (the
+``flash-qla-tilelang`` distribution, shared by every arch package); this package holds
+only what is Hopper's:
 
-- ``kernels/``: TileLang device code, one module per quantity computed (its
-  ``__init__`` lists them), and ``traits``, their static configuration;
-- ``layout``: shared host helpers (chunk layout, packing, dtype names, chunk counts);
-- ``plan``: every per-call choice (state keeping, segment split, fused or two-kernel
-  backward), returned with its reason;
-- ``launch``: one launcher per compiled kernel configuration;
-- ``forward``, ``backward``: the orchestrators that launch the kernels;
-- ``recurrent``: the token-by-token decode step (``flash_qla.recurrent``);
-- ``precompile``: the kernels the wheel ships compiled, and the shipped cache;
-- ``backend``: the :class:`flash_qla.backend.Kernels` the core calls (``load()``).
+- ``arch``: :data:`~flash_qla_sm90.arch.SM90`, the traits the kernels are built for;
+- ``precompile``: the shipped kernel cache (``kernel_cache/``) and the command that
+  fills it.
 
 To add an arch package, copy this file and the package's ``pyproject.toml``, change the
-name, capabilities, head dims and dtypes, and write a ``load()`` returning a
-:class:`flash_qla.backend.Kernels`.
+name, capabilities, head dims and dtypes, and point the loader at
+``flash_qla_tl.backend.load`` with the package's arch and shipped cache.
 """
 
 from __future__ import annotations
@@ -27,6 +22,8 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from flash_qla.backend import BackendSpec
+
+from .precompile import SHIPPED
 
 __all__ = ["BACKEND", "KERNEL_API_VERSION", "__version__"]
 
@@ -43,9 +40,9 @@ KERNEL_API_VERSION = 1
 
 def _load():
     # imported here, not at the top: ``import flash_qla_sm90`` must not import TileLang
-    from flash_qla_sm90.backend import load
+    from flash_qla_tl.backend import load
 
-    return load()
+    return load(SHIPPED)
 
 
 BACKEND = BackendSpec(

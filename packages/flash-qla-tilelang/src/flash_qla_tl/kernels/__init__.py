@@ -21,6 +21,6 @@ Importing this package imports nothing; each module below imports TileLang.
   configuration every compiled kernel is keyed on.
 
 The builders keep the names of their generated CUDA kernels (what a profiler shows).
-The host code that launches them is one level up (``flash_qla_sm90.forward``,
-``flash_qla_sm90.backward``); kernels never import it.
+The host code that launches them is one level up (``flash_qla_tl.forward``,
+``flash_qla_tl.backward``); kernels never import it.
 """

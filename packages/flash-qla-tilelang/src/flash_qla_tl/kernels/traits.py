@@ -3,7 +3,7 @@
 Every value here is part of a compiled kernel's identity; everything else (B, T, Hk, Hv,
 N, sequence lengths) is dynamic and never triggers a recompilation. Plain constants,
 read when the kernel modules are imported (the cost model of the per-call choices is
-``flash_qla_sm90.plan``'s).
+``flash_qla_tl.plan``'s).
 """
 
 #: Explicit target so the kernels compile on a machine without a GPU

@@ -1,11 +1,13 @@
-"""The :class:`flash_qla.backend.Kernels` of the Hopper backend: what the core calls.
+"""The :class:`flash_qla.backend.Kernels` of the TileLang backends: what the core calls.
 
 Each entry point hands its call to the forward or backward orchestrator; the segment
-planner's answer comes from :mod:`flash_qla_sm90.plan`. Imported by
-``flash_qla_sm90.BACKEND.loader`` on first use (this module imports TileLang).
+planner's answer comes from :mod:`flash_qla_tl.plan`. Imported by an arch package's
+``BACKEND.loader`` on first use (this module imports TileLang).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -73,7 +75,8 @@ class Sm90Kernels:
         return plan.segment_len(bounds, Hv, sm_count(device), bounded).value
 
 
-def load() -> Sm90Kernels:
-    """Seed TileLang's cache with the shipped kernels, then the backend's kernels."""
-    use_shipped_cache()
+def load(shipped: Path) -> Sm90Kernels:
+    """Seed TileLang's cache with the kernels an arch package ships in ``shipped``, then
+    the backend's kernels."""
+    use_shipped_cache(shipped)
     return Sm90Kernels()

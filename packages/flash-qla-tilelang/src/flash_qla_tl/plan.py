@@ -16,7 +16,7 @@ call, here:
 
 Each returns a :class:`Choice` (the value and why). The choices are cached per argument
 values and logged at debug level when first made (``logging.getLogger(
-"flash_qla_sm90.plan")``), so a training loop logs each distinct shape once. Variants
+"flash_qla_tl.plan")``), so a training loop logs each distinct shape once. Variants
 that lost a measurement (the per-call tiling of a split-state forward, the fp32 prepare,
 the tiled reverse sweep, fp32 states between the kernels) are kept under the git tag
 ``retired-sm90-variants``.

@@ -1,7 +1,7 @@
 """The whole reverse pass in one kernel: the state-gradient sweep and every input gradient.
 
 The fused alternative to ``chunk_state_grad`` (dS1 to global memory) followed by
-``chunk_input_grads`` (dS1 back, one CTA per chunk); ``flash_qla_sm90.plan`` picks one
+``chunk_input_grads`` (dS1 back, one CTA per chunk); ``flash_qla_tl.plan`` picks one
 of the two per call. One CTA per (sequence or segment, value head) walks its chunks from
 the last to the first with the state gradient dS^T ``[V, K]`` in fp32 registers; per
 chunk, the math of ``chunk_input_grads`` (its docstring, gdn-math.md "Backward of one

@@ -1,0 +1,124 @@
+"""Ship compiled kernels with an arch package's wheel, and build them ahead of time.
+
+TileLang keys its cache on the kernel's text, the target, the pass configs and its own
+version, not on the GPU (tilelang-notes.md), so kernels compiled for ``sm_90a`` on any
+machine load on the H200 without compiling. ``python -m flash_qla_sm90.precompile DIR``
+(each arch package has such a module, calling :func:`main`) compiles every static
+variant the backend launches (:func:`variants`) into DIR; the package build copies that
+directory into the arch package's ``kernel_cache/``; on first load it is copied into a
+writable cache directory (TileLang writes staging folders next to its entries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+from .kernels.chunk_grads_fused import chunk_bwd_fused_kernel
+from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
+from .kernels.chunk_state_grad import chunk_bwd_dh_ws_kernel
+from .kernels.chunk_state_output import chunk_fwd_ws_kernel
+from .kernels.group_sum import group_sum_kernel
+from .kernels.recurrent_step import recurrent_step_kernel
+from .kernels.traits import DTYPES, HEAD_DIMS
+
+
+def _user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flash-qla" / "tilelang"
+
+
+def use_shipped_cache(shipped: Path) -> None:
+    """Point TileLang at a cache seeded with the kernels an arch package ships in
+    ``shipped`` (its ``kernel_cache/``), unless the user chose a cache."""
+    if "TILELANG_CACHE_DIR" in os.environ or not shipped.is_dir():
+        return
+    target = _user_cache_dir()
+    stamp = target / f".seeded-{shipped.stat().st_mtime_ns}"
+    if not stamp.exists():
+        shutil.copytree(shipped, target, dirs_exist_ok=True)
+        stamp.touch()
+    os.environ["TILELANG_CACHE_DIR"] = str(target)
+
+
+#: ``chunk_fwd_ws_kernel``'s arguments after has_initial_state, as
+#: ``forward.state_output`` passes them (trailing False dropped): (store_h, warmup,
+#: h_in_dtype, states_only).
+FWD_FLAGS = (
+    (False,),                         # no h: inference, or a training forward whose
+    #                                   backward recomputes h
+    (True,),                          # fp32 h for the caller (output_h)
+    (True, False, True),              # h in q's dtype kept for the backward
+    (True, False, True, True),        # the backward's recompute of h (no o)
+    (False, True),                    # bounded split, no h
+    (True, True, True),               # bounded split, h kept for the backward
+    (True, True, True, True),         # the bounded backward's recompute of h
+)
+
+#: ``chunk_bwd_dh_ws_kernel``'s flags after has_dht, as ``backward.state_grads`` passes
+#: them: (warmup, ds1_in_dtype, boundary).
+SWEEP_FLAGS = (
+    (False, True),                    # unsplit, dS1 in q's dtype
+    (True, True),                     # bounded split, dS1 in q's dtype
+    (True, False, True),              # the bounded split's boundary walks (no dS1)
+)
+
+
+def variants():
+    """Every (builder, static args) the backend launches, per dtype and head dims:
+    the prepare, the forward's variants (:data:`FWD_FLAGS`) x initial state, the sweep's
+    (:data:`SWEEP_FLAGS`) x dht, the per-chunk gradient kernel, the GVA sum, and the
+    fused reverse kernel x dht. ``tests/sm90/test_host_path.py`` checks that the host
+    path launches nothing else."""
+    for dtype in DTYPES:
+        for K, V in HEAD_DIMS:
+            yield chunk_prepare_blocked_kernel, (dtype, K)
+            for has_h0 in (False, True):
+                for store_h, *flags in FWD_FLAGS:
+                    yield chunk_fwd_ws_kernel, (dtype, K, V, has_h0, store_h, *flags)
+            for has_dht in (False, True):
+                for flags in SWEEP_FLAGS:
+                    yield chunk_bwd_dh_ws_kernel, (dtype, K, V, has_dht, *flags)
+            yield chunk_bwd_intra_kernel, (dtype, K, V)
+            yield group_sum_kernel, (dtype, K)
+            for has_dht in (False, True):
+                yield chunk_bwd_fused_kernel, (dtype, K, V, has_dht)
+            for has_h0 in (False, True):                 # decode (flash_qla.recurrent)
+                yield recurrent_step_kernel, (dtype, K, V, has_h0)
+
+
+def _compile_slice(cache_dir: str, jobs: int, index: int) -> int:
+    """Compile every ``jobs``-th variant starting at ``index`` (one worker process)."""
+    os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(cache_dir)
+    os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+    count = 0
+    for i, (builder, args) in enumerate(variants()):
+        if i % jobs == index:
+            builder(*args)
+            count += 1
+    return count
+
+
+def compile_all(cache_dir: str, jobs: int = 1) -> int:
+    """Compile every variant into ``cache_dir`` (``jobs`` processes); returns how many."""
+    if jobs <= 1:
+        return _compile_slice(cache_dir, 1, 0)
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        return sum(pool.map(_compile_slice, [cache_dir] * jobs, [jobs] * jobs, range(jobs)))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=compile_all.__doc__)
+    parser.add_argument("cache_dir", help="TileLang cache directory to fill")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="compiler processes (default 1; the H200 host: 14)")
+    args = parser.parse_args(argv)
+    count = compile_all(args.cache_dir, args.jobs)
+    print(f"compiled {count} kernels into {args.cache_dir}")
