@@ -31,6 +31,7 @@ def run_shape(shape, args):
     from tune_chunk_fwd import bench
 
     import flash_qla
+    from flash_qla_sm90.arch import served_arch
     from flash_qla_tl.backward import chunk_grads, chunk_states, fused_grads, pack, state_grads
     from flash_qla_tl.layout import host_chunks
     from flash_qla_tl.plan import waves
@@ -43,7 +44,9 @@ def run_shape(shape, args):
         q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
         cu_seqlens=cu, cu_seqlens_cpu=inp["cu_seqlens_cpu"])
     do, dht = torch.randn_like(o), torch.randn_like(final)
-    common = dict(scale=scale, cu_seqlens=cu, cu_seqlens_cpu=inp["cu_seqlens_cpu"])
+    # SM90's kernels, or FLASH_QLA_PROOF_ARCH's proof build
+    common = dict(arch=served_arch(), scale=scale, cu_seqlens=cu,
+                  cu_seqlens_cpu=inp["cu_seqlens_cpu"])
     p = pack(q, k, v, g_cumsum, beta, A, do, cu)
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, packed=p,
                      **common)                                       # in q's dtype

@@ -34,12 +34,14 @@ PREPARE, RECURRENCE = "prepare", "ws"
 
 
 def compile_kernels(dtype="bfloat16"):
+    from flash_qla_sm90.arch import served_arch
     from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
     from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
-    chunk_prepare_blocked_kernel(dtype, 128)
+    arch = served_arch()                  # SM90, or FLASH_QLA_PROOF_ARCH's proof build
+    chunk_prepare_blocked_kernel(arch, dtype, 128)
     for has_h0 in (False, True):
-        chunk_fwd_ws_kernel(dtype, 128, 128, has_h0, False)
+        chunk_fwd_ws_kernel(arch, dtype, 128, 128, has_h0, False)
         print("compiled", RECURRENCE, "h0" if has_h0 else "", flush=True)
 
 
@@ -48,6 +50,7 @@ def run_shape(shape, args):
     from common import make_inputs, rel_err
 
     import flash_qla
+    from flash_qla_sm90.arch import served_arch
     from flash_qla_tl.forward import state_output
     from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
     from flash_qla_tl.layout import layout_for, packed
@@ -67,7 +70,8 @@ def run_shape(shape, args):
     k_p, beta_p, g_p = packed(k), packed(beta, torch.float32), packed(g, torch.float32)
     g_cumsum = torch.zeros(Tt, Hv, dtype=torch.float32, device="cuda")
     A = torch.zeros(Tt, Hv, 64, dtype=q.dtype, device="cuda")
-    prep = chunk_prepare_blocked_kernel("bfloat16", 128)
+    arch = served_arch()                  # SM90, or FLASH_QLA_PROOF_ARCH's proof build
+    prep = chunk_prepare_blocked_kernel(arch, "bfloat16", 128)
 
     def prepare():
         prep(k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)
@@ -81,7 +85,8 @@ def run_shape(shape, args):
     q_p, v_p = packed(q), packed(v)
 
     def forward():
-        return state_output(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, scale=scale,
+        return state_output(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, arch=arch,
+                            scale=scale,
                             initial_state=h0, num_chunks=None, alloc=torch.empty)
 
     o, final, _ = forward()

@@ -38,6 +38,15 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return err / ref
 
 
+def kernel_arch():
+    """The arch the sm90 loader serves (``flash_qla_sm90.arch.served_arch``: SM90, or
+    under ``FLASH_QLA_PROOF_ARCH`` a Blackwell arch's proof build): the arch of the
+    kernels the sm90 tests that call the host code directly launch."""
+    from flash_qla_sm90.arch import served_arch
+
+    return served_arch()
+
+
 def force_fused_backward(monkeypatch, fused: bool) -> None:
     """Both sm90 backwards (unsplit and bounded split) take the fused kernel (True) or
     the sweep and the per-chunk kernel (False), whatever ``plan.fused_backward`` would

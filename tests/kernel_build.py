@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 
 
-def lowered_source(builder, *args) -> str:
-    """The CUDA text TileLang generates for ``builder(*args)`` (``args``: a kernel
-    builder's static arguments, arch first) without running nvcc: the same lowering as
-    ``tilelang.compile`` (the builder's target and pass configs), device code only."""
+def lowered(builder, *args):
+    """TileLang's artifact for ``builder(*args)`` (``args``: a kernel builder's static
+    arguments, arch first) without running nvcc: the same lowering as
+    ``tilelang.compile`` (the arch's target, its and the builder's pass configs)."""
     import tilelang
     import tvm
 
@@ -22,15 +22,33 @@ def lowered_source(builder, *args) -> str:
     target = tvm.target.Target(arch.target_dict)
     with tvm.transform.PassContext(opt_level=3, config=arch.kernel_pass_configs(
             builder.pass_configs)), target:
-        return tilelang.lower(builder.program(*args), target=target).kernel_source
+        return tilelang.lower(builder.program(*args), target=target)
+
+
+def lowered_source(builder, *args) -> str:
+    """The CUDA text TileLang generates for ``builder(*args)`` (:func:`lowered`)."""
+    return lowered(builder, *args).kernel_source
+
+
+def lowered_dynamic_smem(artifact) -> int:
+    """Dynamic shared memory bytes the launch of a lowered kernel asks for (0: none)."""
+    (func,) = artifact.device_mod.functions.values()
+    return int(func.attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in func.attrs \
+        else 0
+
+
+def normalised(src: str) -> str:
+    """A generated kernel's CUDA text with TileLang's reduction workspaces renamed to one
+    name: TileLang 0.1.15 names them (``workspace``, ``workspace_1``, ...) in an order
+    that varies from run to run (``chunk_bwd_intra``: the same five row sums on
+    ``workspace_3..7`` in another order per process, the declarations and offsets
+    unchanged)."""
+    return re.sub(r"\bworkspace(_\d+)?\b", "workspace_#", src)
 
 
 def source_sha256(src: str) -> str:
-    """sha256 of a generated kernel's CUDA text, TileLang's reduction workspaces renamed
-    to one name: TileLang 0.1.15 numbers them in an order that varies from run to run
-    (``chunk_bwd_intra``: the same five row sums on ``workspace_3..7`` in another order
-    per process, the declarations and offsets unchanged)."""
-    return hashlib.sha256(re.sub(r"\bworkspace_\d+\b", "workspace_#", src).encode()).hexdigest()
+    """sha256 of :func:`normalised` CUDA text."""
+    return hashlib.sha256(normalised(src).encode()).hexdigest()
 
 
 def ptxas_report(src: str, tmp_path: Path, arch: str = "sm_90a") -> str:
@@ -50,8 +68,9 @@ def ptxas_report(src: str, tmp_path: Path, arch: str = "sm_90a") -> str:
 
 
 def static_smem(report: str) -> int:
-    """Static shared memory bytes (the mbarriers) of ptxas's report."""
-    return int(re.search(r"(\d+) bytes smem", report).group(1))
+    """Static shared memory bytes (the mbarriers) of ptxas's report (0: none listed)."""
+    found = re.search(r"(\d+) bytes smem", report)
+    return int(found.group(1)) if found else 0
 
 
 def spill_bytes(report: str) -> int:
@@ -105,3 +124,44 @@ def narrow_accesses(src: str) -> list:
     accesses = [(p, e) for p, e in global_accesses(src) if p not in SMALL]
     assert accesses, "no global access found: the pattern no longer matches the codegen"
     return [(p, e[:100]) for p, e in accesses if "int64_t" not in e]
+
+
+_DIMS = ("bfloat16", 128, 128)
+# name -> (module of flash_qla_tl.kernels, builder, static args after the arch): shipped
+# variants (``precompile.variants``), bf16, K = V = 128; ``_h``: stores h
+VARIANTS = {
+    "recurrent_step": ("recurrent_step", "recurrent_step_kernel", ("bfloat16", 128, 128, True)),
+    "prepare_blocked": ("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel",
+                        ("bfloat16", 128)),
+    "fwd_ws": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, False, False)),
+    "fwd_ws_h": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, True, True)),
+    "fwd_ws_h_dtype": ("chunk_state_output", "chunk_fwd_ws_kernel",
+                       (*_DIMS, True, True, False, True)),
+    "fwd_ws_warmup": ("chunk_state_output", "chunk_fwd_ws_kernel",
+                      (*_DIMS, True, False, True)),
+    "fwd_ws_warmup_h_dtype": ("chunk_state_output", "chunk_fwd_ws_kernel",
+                              (*_DIMS, True, True, True, True)),
+    "fwd_ws_states": ("chunk_state_output", "chunk_fwd_ws_kernel",
+                      (*_DIMS, True, True, False, True, True)),
+    "fwd_ws_warmup_states_dtype": ("chunk_state_output", "chunk_fwd_ws_kernel",
+                                   (*_DIMS, True, True, True, True, True)),
+    "bwd_dh_ws_dtype": ("chunk_state_grad", "chunk_bwd_dh_ws_kernel",
+                        (*_DIMS, True, False, True)),
+    "bwd_dh_ws_warmup_dtype": ("chunk_state_grad", "chunk_bwd_dh_ws_kernel",
+                               (*_DIMS, True, True, True)),
+    "bwd_dh_ws_boundary": ("chunk_state_grad", "chunk_bwd_dh_ws_kernel",
+                           (*_DIMS, True, True, False, True)),
+    "bwd_intra": ("chunk_input_grads", "chunk_bwd_intra_kernel", _DIMS),
+    "bwd_fused": ("chunk_grads_fused", "chunk_bwd_fused_kernel", (*_DIMS, True)),
+    "bwd_fused_no_dht": ("chunk_grads_fused", "chunk_bwd_fused_kernel", (*_DIMS, False)),
+    "group_sum": ("group_sum", "group_sum_kernel", ("bfloat16", 128)),
+}
+
+
+def variant(name: str) -> tuple:
+    """``(builder, args)`` of a kernel variant the compile tests build, by name (the
+    kernel module is imported here, not at collection)."""
+    import importlib
+
+    module, builder, args = VARIANTS[name]
+    return getattr(importlib.import_module(f"flash_qla_tl.kernels.{module}"), builder), args

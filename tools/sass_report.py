@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""SASS of one sm90 kernel variant, on a machine without a GPU: what ptxas made of it.
+"""SASS of one kernel variant (sm90 by default), on a machine without a GPU: what ptxas made of it.
 
 Builds the variant's CUDA source with TileLang (cache hits are fine), compiles it for
-sm_90a with nvcc (``-lineinfo``), disassembles it with ``nvdisasm -gi`` and prints
-ptxas's registers / spills, the opcode histogram, and the instructions per line of the
-generated CUDA (each instruction charged to the outermost line of the kernel's own
-source that it was inlined into: a WGMMA or a reduction counts at its call site).
+the arch's target (``--arch``, default sm_90a) with nvcc (``-lineinfo``), disassembles
+it with ``nvdisasm -gi`` and prints ptxas's registers / spills, the opcode histogram,
+and the instructions per line of the generated CUDA (each instruction charged to the
+outermost line of the kernel's own source that it was inlined into: a WGMMA or a
+reduction counts at its call site).
 Straight-line kernels (``chunk_bwd_intra``, ``chunk_prepare_blocked``) execute each
 instruction once per thread, so the static count is also the per-thread work; loops
 (the warp-specialised kernels) are per iteration where the line sits in the loop.
@@ -75,11 +76,27 @@ def parse(sass: str, source_name: str) -> tuple[collections.Counter, dict]:
     return ops, per_line
 
 
+def _arch(name: str):
+    """The :class:`flash_qla_tl.arch.Arch` named ``name`` (see ``--arch``)."""
+    from flash_qla_sm90.arch import SM90, proof_arch
+
+    if name == "sm90":
+        return SM90
+    if name.startswith("proof-"):
+        return proof_arch(name.removeprefix("proof-"))
+    family = "sm100" if name in ("sm100", "sm103") else "sm120"
+    arches = importlib.import_module(f"flash_qla_{family}.arch").ARCHES
+    return next(arch for arch in arches if arch.name == name)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("module",
                     help="kernel module of flash_qla_tl.kernels, e.g. chunk_input_grads")
     ap.add_argument("builder", help="its kernel builder, e.g. chunk_bwd_intra_kernel")
+    ap.add_argument("--arch", default="sm90",
+                    help="sm90 (default), sm100, sm103, sm120, sm121, or proof-sm100 / "
+                         "proof-sm120 (the H200 twins): the arch the kernel is built for")
     ap.add_argument("args", nargs="*", help="the builder's static arguments (Python literals "
                     "or bare strings: bfloat16 128 128 True)")
     ap.add_argument("--top", type=int, default=20, help="source lines listed (default 20)")
@@ -91,8 +108,10 @@ def main(argv=None) -> int:
         print("error: needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)",
               file=sys.stderr)
         return 2
-    sys.path[:0] = [str(REPO / "packages/flash-qla-sm90/src"),
-                    str(REPO / "packages/flash-qla-core/src")]
+    sys.path[:0] = [str(REPO / f"packages/{package}/src") for package in (
+        "flash-qla-tilelang", "flash-qla-sm90", "flash-qla-sm100", "flash-qla-sm120",
+        "flash-qla-core")]
+    arch = _arch(a.arch)
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
@@ -103,12 +122,12 @@ def main(argv=None) -> int:
             args.append(ast.literal_eval(text))
         except (ValueError, SyntaxError):
             args.append(text)
-    src = getattr(module, a.builder)(*args).get_kernel_source()
+    src = getattr(module, a.builder)(arch, *args).get_kernel_source()
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = Path(tmp, "kernel.cu"), Path(tmp, "kernel.cubin")
         cu.write_text(src)
         built = subprocess.run(
-            ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-lineinfo", "-o", str(cubin),
+            ["nvcc", "-std=c++17", f"-arch={arch.target}", "-cubin", "-lineinfo", "-o", str(cubin),
              "--ptxas-options=-v", "-I" + CUTLASS_INCLUDE_DIR, "-I" + TILELANG_TEMPLATE_PATH,
              str(cu)], capture_output=True, text=True, check=True)
         sass = subprocess.run([nvdisasm, "-c", "-gi", str(cubin)], capture_output=True,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flash_qla
-from tests.helpers import rel_l2
+from tests.helpers import kernel_arch, rel_l2
 from tests.sm90.test_forward_gpu import (
     CASES,
     POISON_CASES,
@@ -226,8 +226,9 @@ def test_dh_kernel_matches_torch_sweep(case):
     common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
     args = (inp["q"], inp["k"], inp["v"], g_cumsum, inp["beta"], A, do)
     h0 = inp["initial_state"]
-    with_kernel = chunk_bwd(*args, dht=dht, initial_state=h0, fused=False, **common)
-    h = chunk_states(*args[:6], initial_state=h0, **common)
+    with_kernel = chunk_bwd(*args, arch=kernel_arch(), dht=dht, initial_state=h0, fused=False,
+                            **common)
+    h = chunk_states(*args[:6], arch=kernel_arch(), initial_state=h0, **common)
     with_torch = chunk_gated_delta_rule_bwd_parallel(*args, h.float(), dht=dht,
                                                      initial_state=h0, **common)
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), with_kernel, with_torch):
@@ -260,8 +261,9 @@ def swept_problem(case, seed: int = 6) -> SimpleNamespace:
     do, dht = torch.randn_like(o), torch.randn_like(final)
     q, k, v, beta, h0 = inp["q"], inp["k"], inp["v"], inp["beta"], inp["initial_state"]
     common = dict(scale=128 ** -0.5, cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=None)
-    h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, **common)
-    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, **common)
+    arch = kernel_arch()
+    h = chunk_states(q, k, v, g_cumsum, beta, A, arch=arch, initial_state=h0, **common)
+    dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, arch=arch, dht=dht, **common)
     args = (q, k, v, g_cumsum, beta, A, do)
     ref = chunk_gated_delta_rule_bwd_parallel(*args, h.float(), dht=dht, initial_state=h0,
                                               dS1=dS1.float(), dh0=dh0, **common)
@@ -277,7 +279,7 @@ def test_intra_kernel_matches_torch_chunk_grads(case):
     from flash_qla_tl.backward import chunk_grads
 
     x = swept_problem(case)
-    ours = chunk_grads(*x.args, x.h, x.dS1, **x.common)
+    ours = chunk_grads(*x.args, x.h, x.dS1, arch=kernel_arch(), **x.common)
     tol = {"dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dbeta": 2e-2, "dg": 2e-2}
     for name, a, b in zip(tol, ours, x.ref[:5]):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -295,10 +297,10 @@ def test_group_sum_kernel_matches_fp64_sum(G, M, dtype):
 
     gen = torch.Generator(device="cuda").manual_seed(G * 1000 + M)
     x = torch.randn(G, M, 3, 128, device="cuda", generator=gen).to(dtype)   # [G, Tt, Hk, K]
-    got = sum_groups(x)
+    got = sum_groups(x, arch=kernel_arch())
     want = x.double().sum(dim=0)
     assert got.dtype == dtype and got.shape == (M, 3, 128)
     eps = torch.finfo(dtype).eps
     assert torch.all((got.double() - want).abs() <= eps * want.abs() + 1e-5), \
         (got.double() - want).abs().max()
-    assert torch.equal(got, sum_groups(x))
+    assert torch.equal(got, sum_groups(x, arch=kernel_arch()))

@@ -41,13 +41,15 @@ def exp2(x: torch.Tensor) -> torch.Tensor:
 
 
 def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
-                rnd=lambda t: t):
+                rnd=lambda t: t, column_sums="reduce"):
     """One CTA: the chunk starting at token t0 with ``rows`` valid rows, value head h.
 
     Packed inputs (``[Tt, H, D]``), S0 / dS1 ``[K, V]``. Returns the kernel's stores
     (dq, dk ``[rows, K]``; dv ``[rows, V]``; dbeta, dg ``[rows]``). ``rnd`` is applied
     wherever the kernel stores a GEMM operand in shared memory (its q/k/v dtype), so a
     bf16 ``rnd`` models the kernel's operand rounding; the identity gives exact math.
+    ``column_sums`` as ``flash_qla_tl.arch.Arch.column_sums``: "transposed" forms dbeta's
+    and dGG's column sums as row sums of the transposed products (mma.sync arches).
     """
     K = q.shape[-1]
     i = torch.arange(C)
@@ -81,7 +83,10 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
     # dAg
     dagg = (du @ x_c.T) * g_s                                            # dAg * G
     m = rnd(dagg * b[None, :])
-    vec2 = (dagg * a_c).sum(dim=0)                                       # dbeta, 1st
+    if column_sums == "transposed":          # dAg^T = X dU^T; G, A read transposed
+        vec2 = ((x_c @ du.T) * g_s.T * a_c.T).sum(dim=1)
+    else:
+        vec2 = (dagg * a_c).sum(dim=0)                                   # dbeta, 1st
     dgg = dagg * a_c * b[None, :]
 
     # dX
@@ -95,6 +100,8 @@ def emulate_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, rows, h, hk,
     dgg = dgg + dpg * qk
     dpg = rnd(dpg)
     vec4, vec6 = dgg.sum(dim=1), dgg.sum(dim=0)
+    if column_sums == "transposed":          # dP^T = U dO^T times P^T, + beta_j dbeta_j
+        vec6 = ((u_s @ do_c.T) * scale * p.T).sum(dim=1) + b * vec2
 
     # dN
     t1 = rnd(a_c.T @ m)
@@ -242,8 +249,9 @@ PROBLEMS = {
 }
 
 
+@pytest.mark.parametrize("column_sums", ["reduce", "transposed"])
 @pytest.mark.parametrize("name", list(PROBLEMS))
-def test_kernel_algorithm_matches_reference_chunk_backward(name):
+def test_kernel_algorithm_matches_reference_chunk_backward(name, column_sums):
     x = make_problem(**PROBLEMS[name], seed=len(name))
     scale = 128 ** -0.5
     bounds = x["bounds"]
@@ -257,7 +265,8 @@ def test_kernel_algorithm_matches_reference_chunk_backward(name):
                 hk = hh // (Hv // Hk)
                 S0, dS1 = x["h"][srow, hh], x["dS1"][srow, hh]
                 ours = emulate_cta(x["q"], x["k"], x["v"], x["do"], x["g_cumsum"], x["beta"],
-                                   x["A"], S0, dS1, scale, s, c, hh, hk)
+                                   x["A"], S0, dS1, scale, s, c, hh, hk,
+                                   column_sums=column_sums)
                 qc, kc = x["q"][s:e, hk][None, None], x["k"][s:e, hk][None, None]
                 vc, doc = x["v"][s:e, hh][None, None], x["do"][s:e, hh][None, None]
                 bc, gc = x["beta"][s:e, hh][None, None], x["g_cumsum"][s:e, hh][None, None]

@@ -12,12 +12,16 @@ import re
 
 import pytest
 
+from flash_qla_sm90.arch import SM90
+from tests.kernel_build import VARIANTS, dynamic_smem, narrow_accesses, ptxas_report, variant
+
 tilelang = pytest.importorskip("tilelang", reason="TileLang is not installed")
 pytestmark = [pytest.mark.nvcc, pytest.mark.usefixtures("fresh_tilelang_cache")]
 
 
 def _source(builder, *args) -> str:
-    return builder(*args).get_kernel_source()
+    """The CUDA of ``builder`` built for SM90 with static ``args``."""
+    return builder(SM90, *args).get_kernel_source()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -81,8 +85,8 @@ def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out, tmp
     from the registers), and that tile gets bytes of its own: TileLang's planner reuses
     the bytes of a buffer whose last use comes earlier in program order, and the role
     blocks run at once (v17's race)."""
-    builder, args = _variant(kernel)
-    compiled = builder(*args)
+    builder, args = variant(kernel)
+    compiled = builder(SM90, *args)
     src = compiled.get_kernel_source()
     assert f"tma_store({out}_desc" in src and not re.search(rf"\b{out}\[", src)
     spans = _shared_spans(compiled)
@@ -92,8 +96,8 @@ def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out, tmp
     assert hi - lo == 128 * 128 * 2 and not overlapping, (stage, spans)
     # the 32 KB tile takes these kernels to the sm_90 block limit: dynamic + static
     # (the mbarriers, padded to the dynamic buffer's 1024-byte alignment) <= 227 KB
-    static = int(re.search(r"(\d+) bytes smem", _ptxas_report(src, tmp_path)).group(1))
-    dynamic = max(_dynamic_smem(builder(*args).get_host_source()))
+    static = int(re.search(r"(\d+) bytes smem", ptxas_report(src, tmp_path)).group(1))
+    dynamic = max(dynamic_smem(compiled.get_host_source()))
     assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
 
 
@@ -103,10 +107,8 @@ def test_fused_reverse_kernel_roles_keep_to_their_own_resources(tmp_path):
     block with the mbarriers; the cross-warp reductions (TileLang's, named barriers 1
     and 2) are all in the intra role's block, so no two roles meet on those ids; tiles
     load by TMA; ptxas keeps every WGMMA chain in flight."""
-    from flash_qla_tl.kernels import chunk_grads_fused
-
-    builder, args = _variant("bwd_fused")
-    compiled = builder(*args)
+    builder, args = variant("bwd_fused")
+    compiled = builder(SM90, *args)
     src = compiled.get_kernel_source()
     offsets = sorted((int(off), name) for name, off in re.findall(
         r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src))
@@ -115,15 +117,15 @@ def test_fused_reverse_kernel_roles_keep_to_their_own_resources(tmp_path):
     spans = _shared_spans(compiled, allow=reductions)
     ends = [spans.get(name, (off, off + 1))[1] for off, name in offsets]
     assert all(end <= nxt for end, (nxt, _) in zip(ends, offsets[1:])), offsets
-    report = _ptxas_report(src, tmp_path)
+    report = ptxas_report(src, tmp_path)
     static = int(re.search(r"(\d+) bytes smem", report).group(1))
-    dynamic = max(_dynamic_smem(compiled.get_host_source()))
+    dynamic = max(dynamic_smem(compiled.get_host_source()))
     assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
     assert "C7512" not in report and "serialized" not in report
     blocks = re.split(r"tl::warpgroup_reg_(?:alloc|dealloc)<(\d+)>", src)
     regs = [int(r) for r in blocks[1::2]]
-    assert regs == [chunk_grads_fused.INTRA_REGS, chunk_grads_fused.CHAIN_REGS,
-                    chunk_grads_fused.STATE_REGS, chunk_grads_fused.LOAD_REGS]
+    state, chain, intra, load = SM90.budget("chunk_bwd_fused")
+    assert regs == [intra, chain, state, load]
     cross_warp = [len(re.findall(r"AllReduce<tl::SumOp, (?:64|128),", b)) for b in blocks[::2]]
     assert cross_warp[1] > 0 and sum(cross_warp) == cross_warp[1], cross_warp  # intra only
     assert src.count("__syncthreads()") == 1 and "tma_load" in src and "cp_async" not in src
@@ -132,7 +134,7 @@ def test_fused_reverse_kernel_roles_keep_to_their_own_resources(tmp_path):
 def test_states_only_forward_skips_o():
     """chunk_fwd_ws with ``states_only`` (the backward's recompute of h): three state
     WGMMAs per chunk, no Q K^T on the aux warpgroup, and o never written."""
-    builder, args = _variant("fwd_ws_states")
+    builder, args = variant("fwd_ws_states")
     src = _source(builder, *args)
     assert src.count("tl::wgmma_rs<") == 3 and "wgmma_ss<" not in src
     assert not re.search(r"\bo\[", src)
@@ -145,73 +147,14 @@ def test_aux_warpgroup_sweep_keeps_ds_in_registers(tmp_path):
     initialisation, and the staged dS1 tile's claim on its own bytes), the tiles load by
     TMA, and ptxas spills nothing at its setmaxnreg budgets (the forward's 208 / 88
     spilled here)."""
-    builder, args = _variant("bwd_dh_ws_warmup_dtype")
+    builder, args = variant("bwd_dh_ws_warmup_dtype")
     src = _source(builder, *args)
     assert src.count("tl::wgmma_rs<") >= 3
     assert src.count("__syncthreads()") == 2
     assert src.count("].arrive()") == 4      # full, empty, loaded (first chunk's, loop's)
     assert "tma_load" in src and "cp_async" not in src
     assert "warpgroup_reg_alloc<192>" in src and "warpgroup_reg_dealloc<120>" in src
-    assert re.search(r"\b0 bytes spill stores", _ptxas_report(src, tmp_path))
-
-
-def _ptxas_report(src: str, tmp_path) -> str:
-    """ptxas's verbose report for a generated kernel (nvcc -cubin for sm_90a with the
-    include paths TileLang compiles with)."""
-    import subprocess
-
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
-    from tests.conftest import _nvcc
-
-    cu = tmp_path / "kernel.cu"
-    cu.write_text(src)
-    out = subprocess.run(
-        [_nvcc(), "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"),
-         "--ptxas-options=-v", "-I" + CUTLASS_INCLUDE_DIR, "-I" + TILELANG_TEMPLATE_PATH,
-         str(cu)], capture_output=True, text=True, check=True)
-    return out.stdout + out.stderr
-
-
-_DIMS = ("bfloat16", 128, 128)
-# name -> (module of flash_qla_tl.kernels, builder, static args): shipped variants
-# (``precompile.variants``), bf16, K = V = 128; ``_h``: stores h
-_VARIANTS = {
-    "recurrent_step": ("recurrent_step", "recurrent_step_kernel", ("bfloat16", 128, 128, True)),
-    "prepare_blocked": ("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel",
-                        ("bfloat16", 128)),
-    "fwd_ws": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, False, False)),
-    "fwd_ws_h": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, True, True)),
-    "fwd_ws_h_dtype": ("chunk_state_output", "chunk_fwd_ws_kernel",
-                       (*_DIMS, True, True, False, True)),
-    "fwd_ws_warmup": ("chunk_state_output", "chunk_fwd_ws_kernel",
-                      (*_DIMS, True, False, True)),
-    "fwd_ws_warmup_h_dtype": ("chunk_state_output", "chunk_fwd_ws_kernel",
-                              (*_DIMS, True, True, True, True)),
-    "fwd_ws_states": ("chunk_state_output", "chunk_fwd_ws_kernel",
-                      (*_DIMS, True, True, False, True, True)),
-    "fwd_ws_warmup_states_dtype": ("chunk_state_output", "chunk_fwd_ws_kernel",
-                                   (*_DIMS, True, True, True, True, True)),
-    "bwd_dh_ws_dtype": ("chunk_state_grad", "chunk_bwd_dh_ws_kernel",
-                        (*_DIMS, True, False, True)),
-    "bwd_dh_ws_warmup_dtype": ("chunk_state_grad", "chunk_bwd_dh_ws_kernel",
-                               (*_DIMS, True, True, True)),
-    "bwd_dh_ws_boundary": ("chunk_state_grad", "chunk_bwd_dh_ws_kernel",
-                           (*_DIMS, True, True, False, True)),
-    "bwd_intra": ("chunk_input_grads", "chunk_bwd_intra_kernel", _DIMS),
-    "bwd_fused": ("chunk_grads_fused", "chunk_bwd_fused_kernel", (*_DIMS, True)),
-    "bwd_fused_no_dht": ("chunk_grads_fused", "chunk_bwd_fused_kernel", (*_DIMS, False)),
-    "group_sum": ("group_sum", "group_sum_kernel", ("bfloat16", 128)),
-}
-
-
-def _variant(name: str) -> tuple:
-    """``(builder, args)`` of a kernel variant the tests below compile, by name (the
-    kernel module is imported here, not at collection)."""
-    import importlib
-
-    module, builder, args = _VARIANTS[name]
-    return getattr(importlib.import_module(f"flash_qla_tl.kernels.{module}"), builder), args
+    assert re.search(r"\b0 bytes spill stores", ptxas_report(src, tmp_path))
 
 
 @pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_intra",
@@ -224,8 +167,8 @@ def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     for the previous one (chunk_fwd_ws had it at the plain 168 registers for 384
     threads: 30% of its state warpgroups' samples at those waits, Nsight Compute on the
     H200; its setmaxnreg budgets lift it)."""
-    builder, args = _variant(kernel)
-    report = _ptxas_report(_source(builder, *args), tmp_path)
+    builder, args = variant(kernel)
+    report = ptxas_report(_source(builder, *args), tmp_path)
     assert "Used" in report, report[-2000:]
     assert "C7512" not in report and "serialized" not in report
 
@@ -257,77 +200,36 @@ def test_group_sum_kernel_reads_and_writes_16_bytes(dtype):
 def test_intra_kernel_reductions_are_batched():
     """chunk_bwd_intra exchanges every row / column sum a thread owns in one AllReduce
     (one barrier pair), not one per element."""
-    builder, args = _variant("bwd_intra")
+    builder, args = variant("bwd_intra")
     src = _source(builder, *args)
     assert "AllReduce" in src and "::run_batch(" in src
     assert not re.search(r"AllReduce<[^;]*>::run\(", src)
 
 
-# Per-sequence index tensors ([N + 1] or [NTmax, 2] entries) may be indexed in 32 bits.
-_SMALL = {"cu_seqlens", "chunk_offsets", "chunk_idx", "seq_start", "seq_index", "seq_end",
-          "state_idx"}
-
-
-def _global_accesses(src: str):
-    """(pointer, index expression) of every ``p[...]`` and ``p + (...)`` in the kernel body,
-    for each pointer argument ``T* __restrict__ p`` of the kernel."""
-    body = src[src.index("__global__"):]
-    params = re.findall(r"\*\s*__restrict__\s+(\w+)", body[:body.index("{")])
-    found = []
-    pattern = r"\b(" + "|".join(params) + r")(\[|\s*\+\s*\()"
-    for m in re.finditer(pattern, body):
-        opening = m.group(2)[-1]
-        closing = {"[": "]", "(": ")"}[opening]
-        i, depth = m.end(), 1
-        while depth:
-            depth += (body[i] == opening) - (body[i] == closing)
-            i += 1
-        found.append((m.group(1), body[m.end():i - 1]))
-    return found
-
-
 # every variant above (each compiled once: the cache is per module)
-_ALL_VARIANTS = list(_VARIANTS)
+_ALLVARIANTS = list(VARIANTS)
 
 
-@pytest.mark.parametrize("kernel", _ALL_VARIANTS)
+@pytest.mark.parametrize("kernel", _ALLVARIANTS)
 def test_global_indexing_is_64_bit(kernel):
     """Offsets into token-sized tensors are computed in int64 in the generated CUDA, so
     inputs past 2^31 elements index correctly (issue: no 32-bit offset overflow)."""
-    builder, args = _variant(kernel)
-    accesses = [(p, e) for p, e in _global_accesses(_source(builder, *args)) if p not in _SMALL]
-    assert accesses, "no global access found: the pattern no longer matches the codegen"
-    narrow = [(p, e[:100]) for p, e in accesses if "int64_t" not in e]
+    builder, args = variant(kernel)
+    narrow = narrow_accesses(_source(builder, *args))
     assert not narrow, narrow
 
 
 # the most dynamic shared memory one CTA may opt in to on sm_90 (227 KB)
-_SM90_MAX_DYNAMIC_SMEM = 232448
+_SM90_MAX_DYNAMIC_SMEM = SM90.smem_limit
 
 
-def _dynamic_smem(host_src: str) -> list:
-    """Dynamic shared memory bytes of each kernel launch in TileLang's host code: the last
-    argument packed before each ``TVMFFIFunctionCall(<kernel>_packed, ..., n, ...)``
-    (the runtime's own calls, named ``__...``, are not launches)."""
-    sizes, start = [], 0
-    launch = r"TVMFFIFunctionCall\((?!__)\w+_packed, \(TVMFFIAny\*\) stack_ffi_any, (\d+),"
-    for call in re.finditer(launch, host_src):
-        last = int(call.group(1)) - 1
-        slots = re.findall(rf"\[{last}\]\.v_int64\) = \(\(int64_t\)(\d+)\);",
-                           host_src[start:call.start()])
-        assert slots, f"launch {call.group(0)!r}: no literal shared-memory size before it"
-        sizes.append(int(slots[-1]))
-        start = call.end()
-    return sizes
-
-
-@pytest.mark.parametrize("kernel", _ALL_VARIANTS)
+@pytest.mark.parametrize("kernel", _ALLVARIANTS)
 def test_shared_memory_fits_one_sm90_block(kernel):
     """Every kernel asks for at most 227 KB of dynamic shared memory, the sm_90 opt-in
     limit: past it the launch fails at run time ("Failed to set the allowed dynamic
     shared memory size"), which no compile step reports. TileLang gives every reduction
     its own workspace, so batching reductions (chunk_bwd_intra) can cross it."""
-    builder, args = _variant(kernel)
-    sizes = _dynamic_smem(builder(*args).get_host_source())
+    builder, args = variant(kernel)
+    sizes = dynamic_smem(builder(SM90, *args).get_host_source())
     assert sizes, "no kernel launch found: the pattern no longer matches the host code"
     assert max(sizes) <= _SM90_MAX_DYNAMIC_SMEM, sizes

@@ -228,11 +228,11 @@ def test_no_recompilation_across_shapes():
     warm = [Case(1, 64, 1, 1), Case(8, 256, 16, 32)]
     for case in warm:
         flash_qla.chunk_gated_delta_rule_fwd(**make_inputs(case))
-    before = [len(b._kernel_cache) for b in builders]
+    before = [b.cache_info().currsize for b in builders]
     for case in (Case(2, 300, 2, 4), Case(1, 777, 4, 32), _varlen([5, 0, 900, 64], 1, 8),
                  Case(9, 100, 16, 32)):
         flash_qla.chunk_gated_delta_rule_fwd(**make_inputs(case))
-    assert [len(b._kernel_cache) for b in builders] == before
+    assert [b.cache_info().currsize for b in builders] == before
 
 
 SEGMENT_CASES = [

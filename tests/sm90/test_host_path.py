@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flash_qla_sm90.arch import SM90
 from tests.helpers import force_fused_backward
 
 pytest.importorskip("tilelang", reason="TileLang is not installed")
@@ -62,7 +63,7 @@ def built(monkeypatch):
     monkeypatch.setattr(launch, "_LAUNCHERS", {})        # the stubs' launchers die here
     for module in (backward, backend):
         monkeypatch.setattr(module, "sm_count", lambda device: 132)
-    kernels = backend.Sm90Kernels()
+    kernels = backend.TileLangKernels(SM90)
     monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *others: (None, kernels))
     return built
 
@@ -80,14 +81,14 @@ def sm90_without_launches(built, monkeypatch):
 
 @pytest.fixture
 def fused_launches(monkeypatch):
-    """The statics after (dtype, K, V) of every launch of the forward kernel (and of none
-    of the prepare's, whose statics are (dtype, K)), in order."""
+    """The statics after (arch, dtype, K, V) of every launch of the forward kernel (and
+    of none of the prepare's, whose statics are (arch, dtype, K)), in order."""
     from flash_qla_tl import forward
 
     fused = []
     real = forward.launcher
     monkeypatch.setattr(forward, "launcher", lambda builder, *static: (
-        fused.append(static[3:]) if len(static) > 2 else None, real(builder, *static))[1])
+        fused.append(static[4:]) if len(static) > 3 else None, real(builder, *static))[1])
     return fused
 
 
@@ -231,12 +232,14 @@ def test_unsplit_backward_keeps_states_in_q_dtype(sm90_without_launches, monkeyp
 
 
 def _spy_launches(monkeypatch, module, launched: list) -> None:
-    """Record ``(builder name, static, args)`` of every launch ``module`` makes."""
+    """Record ``(builder name, static, args)`` of every launch ``module`` makes (the
+    static arguments after the arch, which is SM90's)."""
     real = module.launcher
 
     def spy(builder, *static):
         run = real(builder, *static)
-        return lambda *args: (launched.append((builder.__name__, static, args)),
+        assert static[0] is SM90
+        return lambda *args: (launched.append((builder.__name__, static[1:], args)),
                               run(*args))[1]
 
     monkeypatch.setattr(module, "launcher", spy)
@@ -397,9 +400,10 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
     A = torch.zeros(1, 64, 2, 64, dtype=q.dtype)
     p = backward.pack(q, k, v, g, beta, A, do, cu)
     _, _, h = forward.state_output(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout,
-                                   scale=1.0, initial_state=None, num_chunks=0,
+                                   arch=SM90, scale=1.0, initial_state=None, num_chunks=0,
                                    alloc=torch.empty, h_in_dtype=True)
-    dS1, _ = backward.state_grads(q, k, do, g, beta, A, scale=1.0, dht=None, cu_seqlens=cu,
+    dS1, _ = backward.state_grads(q, k, do, g, beta, A, arch=SM90, scale=1.0, dht=None,
+                                  cu_seqlens=cu,
                                   cu_seqlens_cpu=cu, packed=p)
     assert launched["fwd"][12].shape[0] == 1 and h.shape == (0, 2, 128, 128)
     assert launched["sweep"][10].shape[0] == 1 and dS1.shape == (0, 2, 128, 128)
@@ -474,7 +478,7 @@ def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     """Training steps over every option the host path distinguishes (initial state,
     state gradient, kept or recomputed h, unsplit or bounded split, fused or two-kernel
     backward, h returned) and decode steps launch exactly the bf16 variants
-    ``precompile.variants()``
+    ``precompile.variants(SM90)``
     compiles ahead of time: none missing from the shipped cache, none shipped unused."""
     precompile = pytest.importorskip("flash_qla_tl.precompile")
     for fused in (False, True):
@@ -485,6 +489,6 @@ def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     for h0 in (False, True):
         _training_step(2, 256, h0=h0, dht=False, save=False, output_h=True)
         _decode_step(h0=h0)
-    shipped = {(b.func.orig_func.__name__, args) for b, args in precompile.variants()
-               if args[0] == "bfloat16"}
+    shipped = {(b.__name__, args) for b, args in precompile.variants(SM90)
+               if args[1] == "bfloat16"}
     assert set(built) == shipped, (sorted(set(built) - shipped), sorted(shipped - set(built)))

@@ -16,7 +16,6 @@ import pytest
 PACKAGE = "flash_qla_tl"
 PACKAGES = Path(__file__).resolve().parents[2] / "packages"
 ROOT = PACKAGES / "flash-qla-tilelang" / "src" / PACKAGE
-ARCH_ROOT = PACKAGES / "flash-qla-sm90" / "src" / "flash_qla_sm90"
 
 
 def _module_name(path: Path) -> str:
@@ -102,9 +101,10 @@ def test_cycle_finder_finds_one():
 
 
 def test_kernels_import_only_kernels():
-    """``kernels/`` is device code: it may import its siblings, never the host modules
-    that launch it."""
-    host = {name: sorted(dep for dep in deps if not dep.startswith(f"{PACKAGE}.kernels"))
+    """``kernels/`` is device code: it may import its siblings and the arch traits
+    (``arch``), never the host modules that launch it."""
+    host = {name: sorted(dep for dep in deps if not dep.startswith(f"{PACKAGE}.kernels")
+                         and dep != f"{PACKAGE}.arch")
             for name, deps in import_graph().items()
             if name.startswith(f"{PACKAGE}.kernels")}
     assert all(not deps for deps in host.values()), host
@@ -151,25 +151,28 @@ def test_no_function_level_imports_of_the_package():
     assert _function_level_imports(ROOT, (PACKAGE,)) == []
 
 
-def test_arch_package_reaches_the_kernels_only_through_its_loader():
-    """``flash_qla_sm90`` imports ``flash_qla_tl``'s TileLang modules only inside the
-    loader (which keeps ``import flash_qla_sm90`` free of TileLang); at module top it
+@pytest.mark.parametrize("name", ["sm90", "sm100", "sm120"])
+def test_arch_package_reaches_the_kernels_only_through_its_loader(name):
+    """An arch package imports ``flash_qla_tl``'s TileLang modules only inside the
+    loader (which keeps ``import flash_qla_<name>`` free of TileLang); at module top it
     imports only the TileLang-free ``flash_qla_tl.arch``."""
-    inner = _function_level_imports(ARCH_ROOT, ("flash_qla_tl", "flash_qla_sm90"))
-    assert inner == [("flash_qla_sm90.__init__", "_load",
+    package = f"flash_qla_{name}"
+    root = PACKAGES / f"flash-qla-{name}" / "src" / package
+    inner = _function_level_imports(root, ("flash_qla_tl", package))
+    assert inner == [(f"{package}.__init__", "_load",
                       "from flash_qla_tl.backend import load")], inner
-    top = sorted({node.module for path in ARCH_ROOT.rglob("*.py")
+    top = sorted({node.module for path in root.rglob("*.py")
                   for node in ast.parse(path.read_text()).body
                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
                       "flash_qla_tl")})
-    assert set(top) <= {"flash_qla_tl.arch"}, top
+    assert top == ["flash_qla_tl.arch"], top
 
 
 @pytest.mark.parametrize("modules", [
-    ["flash_qla_sm90"],
+    ["flash_qla_sm90"], ["flash_qla_sm100"], ["flash_qla_sm120"],
     ["flash_qla_tl", "flash_qla_tl.arch", "flash_qla_tl.plan", "flash_qla_tl.layout",
      "flash_qla_tl.kernels.traits", "flash_qla_sm90.arch"],
-], ids=["package", "arch-plan-layout-traits"])
+], ids=["sm90", "sm100", "sm120", "arch-plan-layout-traits"])
 def test_importing_does_not_import_tilelang(modules):
     code = ("import sys\n"
             + "".join(f"import {m}\n" for m in modules)

@@ -1,7 +1,7 @@
 """The SM90 kernels' generated CUDA is the one recorded before the kernels moved into
 ``flash_qla_tl`` (``golden/sm90_kernel_sha256.json``: sha256 of the lowered CUDA text of
 every ``precompile.variants()`` entry for sm_90a, taken on the tree before the move,
-reduction workspaces renamed as ``tests.kernel_build.source_sha256`` does):
+reduction workspaces renamed as ``tests.kernel_build.normalised`` does):
 moving the kernels and threading :class:`flash_qla_tl.arch.Arch` through them changes
 no Hopper kernel (hence no cache entry and no measured figure). Lowering only (TileLang,
 no nvcc run), ~5 s per variant on one core."""
@@ -19,18 +19,13 @@ pytestmark = [pytest.mark.nvcc]
 GOLDEN = Path(__file__).parent / "golden" / "sm90_kernel_sha256.json"
 
 
-def _lowered(builder, args) -> str:
-    import tvm
-
-    target = tvm.target.Target(builder.target)
-    with tvm.transform.PassContext(opt_level=3, config=builder.pass_configs or {}), target:
-        return tilelang.lower(builder.func.orig_func(*args), target=target).kernel_source
-
-
 def _variants() -> list:
+    """(golden name, builder, args) of every SM90 variant: the name without the arch, as
+    recorded before the builders took one."""
+    from flash_qla_sm90.arch import SM90
     from flash_qla_tl.precompile import variants
 
-    return [(f"{b.func.orig_func.__name__}{args!r}", b, args) for b, args in variants()]
+    return [(f"{b.__name__}{args[1:]!r}", b, args) for b, args in variants(SM90)]
 
 
 def test_every_shipped_variant_has_a_golden_entry():
@@ -40,9 +35,9 @@ def test_every_shipped_variant_has_a_golden_entry():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_sm90_kernels_are_unchanged(dtype):
-    from tests.kernel_build import source_sha256
+    from tests.kernel_build import lowered_source, source_sha256
 
     golden = json.loads(GOLDEN.read_text())
-    changed = [name for name, builder, args in _variants() if args[0] == dtype
-               and source_sha256(_lowered(builder, args)) != golden[name]]
+    changed = [name for name, builder, args in _variants() if args[1] == dtype
+               and source_sha256(lowered_source(builder, *args)) != golden[name]]
     assert not changed, changed

@@ -78,9 +78,10 @@ def test_launcher_never_confuses_builders():
 def test_shipped_builder_launches_its_compiled_module_directly():
     """A real builder (test_compile's fwd_ws_h variant: compile-only) resolves to the
     compiled module its tvm-ffi adapter would call, once per configuration."""
+    from flash_qla_sm90.arch import SM90
     from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
-    static = ("bfloat16", 128, 128, True, True)
+    static = (SM90, "bfloat16", 128, 128, True, True)
     kernel = chunk_fwd_ws_kernel(*static)
     fn = launch.launcher(chunk_fwd_ws_kernel, *static)
     assert fn is launch.launcher(chunk_fwd_ws_kernel, *static)

@@ -43,19 +43,23 @@ def test_shipped_cache_sits_in_the_arch_package():
     assert SHIPPED.name == "kernel_cache"
 
 
-def _names(dtype="bfloat16") -> list[tuple]:
-    return [(builder.func.orig_func.__name__, args[3:]) for builder, args in
-            precompile.variants() if args[0] == dtype]
+def _names(arch, dtype="bfloat16") -> list[tuple]:
+    return [(builder.__name__, args[4:]) for builder, args in
+            precompile.variants(arch) if args[1] == dtype]
 
 
 def test_variants_per_dtype():
     """Per dtype (K = V = 128): the prepare, the forward's seven variants x initial
     state, the sweep's three x dht, the per-chunk gradients, the GVA sum, the fused
-    reverse kernel x dht, the decode step x initial state: 27, none twice."""
-    every = list(precompile.variants())
+    reverse kernel x dht, the decode step x initial state: 27, none twice; every one
+    built for the arch asked for."""
+    from flash_qla_sm90.arch import SM90
+
+    every = list(precompile.variants(SM90))
     assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 27
+    assert {args[0] for _, args in every} == {SM90}
     for dtype in ("bfloat16", "float16"):
-        assert sorted(_names(dtype)) == sorted(
+        assert sorted(_names(SM90, dtype)) == sorted(
             [("chunk_prepare_blocked_kernel", ())]
             + [("chunk_fwd_ws_kernel", (h0, *flags)) for h0 in (False, True)
                for flags in precompile.FWD_FLAGS]
@@ -72,3 +76,15 @@ def test_flags_carry_no_trailing_false():
     after_store_h = [flags[1:] for flags in precompile.FWD_FLAGS]
     for flags in after_store_h + list(precompile.SWEEP_FLAGS):
         assert not flags or flags[-1] is True, flags
+
+
+def test_an_arch_without_the_fused_backward_ships_neither_it_nor_its_boundary_sweep():
+    from dataclasses import replace
+
+    from flash_qla_sm90.arch import SM90
+
+    two_kernels = replace(SM90, fused_backward=False)
+    names = _names(two_kernels)
+    assert len(names) == 27 - 2 - 2
+    assert not [n for n in names if n[0] == "chunk_bwd_fused_kernel"]
+    assert ("chunk_bwd_dh_ws_kernel", (True, True, False, True)) not in names

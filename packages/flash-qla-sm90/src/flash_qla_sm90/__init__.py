@@ -8,7 +8,10 @@ The kernels and the host code that launches them live in ``flash_qla_tl`` (the
 ``flash-qla-tilelang`` distribution, shared by every arch package); this package holds
 only what is Hopper's:
 
-- ``arch``: :data:`~flash_qla_sm90.arch.SM90`, the traits the kernels are built for;
+- ``arch``: :data:`~flash_qla_sm90.arch.SM90`, the traits the kernels are built for, and
+  the proof switch (``FLASH_QLA_PROOF_ARCH=sm100|sm120``: serve that Blackwell arch's
+  portable kernels, compiled for sm_90a with WGMMA off, so the GPU tests check them
+  on an H200; ``python -m flash_qla info`` shows it in the backend's notes);
 - ``precompile``: the shipped kernel cache (``kernel_cache/``) and the command that
   fills it.
 
@@ -23,6 +26,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from flash_qla.backend import BackendSpec
 
+from .arch import PROOF_ENV, proof_request, served_arch
 from .precompile import SHIPPED
 
 __all__ = ["BACKEND", "KERNEL_API_VERSION", "__version__"]
@@ -42,7 +46,19 @@ def _load():
     # imported here, not at the top: ``import flash_qla_sm90`` must not import TileLang
     from flash_qla_tl.backend import load
 
-    return load(SHIPPED)
+    return load(served_arch(), SHIPPED)
+
+
+def _notes() -> str:
+    notes = "TileLang 0.1.15 kernels for Hopper (sm_90a)"
+    try:
+        name = proof_request()
+    except ValueError as exc:
+        return f"{notes}; {exc}"
+    if name:
+        notes += (f"; {PROOF_ENV}={name}: serving the proof build of {name}'s portable "
+                  f"kernels (mma.sync, sm_90a with WGMMA off), not SM90's")
+    return notes
 
 
 BACKEND = BackendSpec(
@@ -54,5 +70,5 @@ BACKEND = BackendSpec(
     head_dims=((128, 128),),
     dtypes=("bfloat16", "float16"),
     loader=_load,
-    notes="TileLang 0.1.15 kernels for Hopper (sm_90a)",
+    notes=_notes(),
 )

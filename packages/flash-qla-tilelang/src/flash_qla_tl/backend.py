@@ -12,12 +12,31 @@ from pathlib import Path
 import torch
 
 from . import backward, forward, plan, recurrent
+from .arch import Arch
 from .layout import sm_count
 from .precompile import use_shipped_cache
 
 
-class Sm90Kernels:
-    """The :class:`flash_qla.backend.Kernels` of the Hopper backend."""
+class TileLangKernels:
+    """The :class:`flash_qla.backend.Kernels` of a TileLang backend: every entry point
+    launches the kernels built for :attr:`arch`."""
+
+    def __init__(self, arch: Arch):
+        self.arch = arch
+
+    def _chunked(self, q: torch.Tensor) -> None:
+        """Raise unless the chunked prefill's kernels are built for :attr:`arch`."""
+        if self.arch.chunked:
+            return
+        gpu = (torch.cuda.get_device_name(q.device) if q.device.type == "cuda"
+               else str(q.device))
+        raise NotImplementedError(
+            f"FlashQLA's {self.arch.name} kernels serve only decode (flash_qla.recurrent) "
+            f"so far: the chunked prefill's forward and backward kernels do not fit the "
+            f"{self.arch.smem_limit:,} bytes of shared memory per block of {gpu} yet. Run "
+            f"chunk_gated_delta_rule with FLA (flash-linear-attention's "
+            f"fla.ops.gated_delta_rule.chunk_gated_delta_rule) on this GPU, or "
+            f"FLASH_QLA_BACKEND=torch (slow)")
 
     #: every kernel reads beta in fp32 (``flash_qla.backend.Kernels``, optional)
     beta_dtype = torch.float32
@@ -31,41 +50,48 @@ class Sm90Kernels:
 
     def fwd(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
             output_final_state, output_h, keep_states=False):
-        return forward.chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        self._chunked(q)
+        return forward.chunk_fwd(q, k, v, g, beta, arch=self.arch, scale=scale,
+                                 initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu,
                                  output_final_state=output_final_state, output_h=output_h,
                                  keep_states=keep_states)
 
     def fwd_prepared(self, q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
                      cu_seqlens_cpu, output_final_state, output_h):
-        return forward.prepared_fwd(q, k, v, g_cumsum, beta, A, scale=scale,
-                                 initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                 cu_seqlens_cpu=cu_seqlens_cpu,
-                                 output_final_state=output_final_state, output_h=output_h)
+        self._chunked(q)
+        return forward.prepared_fwd(q, k, v, g_cumsum, beta, A, arch=self.arch, scale=scale,
+                                    initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                    cu_seqlens_cpu=cu_seqlens_cpu,
+                                    output_final_state=output_final_state, output_h=output_h)
 
     def fwd_warmup(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
                    cu_seqlens_cpu, starts, keep_states=False):
-        return forward.warmup_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        self._chunked(q)
+        return forward.warmup_fwd(q, k, v, g, beta, arch=self.arch, scale=scale,
+                                  initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu,
                                   starts=starts, keep_states=keep_states)
 
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
             cu_seqlens_cpu, states=None):
-        return backward.chunk_bwd(q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale,
-                                  initial_state=initial_state, cu_seqlens=cu_seqlens,
+        self._chunked(q)
+        return backward.chunk_bwd(q, k, v, g_cumsum, beta, A, do, arch=self.arch, dht=dht,
+                                  scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                   cu_seqlens_cpu=cu_seqlens_cpu, states=states)
 
     def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
                    cu_seqlens, cu_seqlens_cpu, starts, ends, states=None):
-        return backward.chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, dht=dht,
-                                         scale=scale, initial_state=initial_state,
+        self._chunked(q)
+        return backward.chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, arch=self.arch,
+                                         dht=dht, scale=scale, initial_state=initial_state,
                                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                          starts=starts, ends=ends, states=states)
 
     def recurrent(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_indices,
                   output_final_state):
         """Token-by-token recurrence (``flash_qla.backend.Kernels``, optional): decode."""
-        return recurrent.recurrent_fwd(q, k, v, g, beta, scale=scale,
+        return recurrent.recurrent_fwd(q, k, v, g, beta, arch=self.arch, scale=scale,
                                        initial_state=initial_state, cu_seqlens=cu_seqlens,
                                        state_indices=state_indices,
                                        output_final_state=output_final_state)
@@ -75,8 +101,8 @@ class Sm90Kernels:
         return plan.segment_len(bounds, Hv, sm_count(device), bounded).value
 
 
-def load(shipped: Path) -> Sm90Kernels:
+def load(arch: Arch, shipped: Path) -> TileLangKernels:
     """Seed TileLang's cache with the kernels an arch package ships in ``shipped``, then
-    the backend's kernels."""
+    the kernels built for ``arch``."""
     use_shipped_cache(shipped)
-    return Sm90Kernels()
+    return TileLangKernels(arch)

@@ -1,4 +1,5 @@
-"""Backward of the Hopper backend (shapes: ``flash_qla.backend.Kernels.bwd``).
+"""Backward of the TileLang backends (shapes: ``flash_qla.backend.Kernels.bwd``; every
+host function takes the :class:`Arch` its kernels are built for).
 
 1. The chunk-start states h, in q's dtype: the ones the training forward kept
    (``states``: ``Kernels.keeps_states``), else recomputed by the forward's kernel
@@ -22,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from . import plan
+from .arch import Arch
 from .forward import state_output
 from .kernels.chunk_grads_fused import chunk_bwd_fused_kernel
 from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
@@ -75,21 +77,23 @@ def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static: bool = False) -> Pa
                   None if do is None else packed(do), layout_for(q, cu_seqlens, static))
 
 
-def chunk_states(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
+def chunk_states(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state, cu_seqlens,
                  cu_seqlens_cpu, packed: Packed | None = None, walks=None):
     """Chunk-start states h ``[NT, Hv, K, V]`` in q's dtype, recomputed from the
     forward's saved g_cumsum and A by the forward's kernel (o skipped). ``walks``: the
     bounded split's forward walk rule (``flash_qla.segments.WalkStarts``; ``cu_seqlens``
     the segments). ``packed``: the same inputs already packed (:func:`pack`)."""
     p = packed or pack(q, k, v, g_cumsum, beta, A, None, cu_seqlens)
-    return state_output(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, scale=scale,
+    return state_output(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, arch=arch,
+                        scale=scale,
                         initial_state=initial_state, alloc=torch.empty,
                         num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=walks,
                         h_in_dtype=True, states_only=True)[2]
 
 
-def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqlens_cpu,
-                ends=None, boundary: bool = False, packed: Packed | None = None):
+def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqlens,
+                cu_seqlens_cpu, ends=None, boundary: bool = False,
+                packed: Packed | None = None):
     """The reverse sweep (``chunk_bwd_dh_ws_kernel``): ``(dS1 [NT, Hv, K, V]`` in q's
     dtype, ``dh0 [N, Hv, K, V]`` fp32). With ``ends`` (``flash_qla.segments.WalkEnds``,
     ``cu_seqlens`` the segments): the bounded split's sweep, which searches each walk's
@@ -112,7 +116,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, scale, dht, cu_seqlens, cu_seqle
                       device=q.device)
     dh0 = torch.empty(layout.num_seqs, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
-    kernel = launcher(chunk_bwd_dh_ws_kernel, DTYPE_NAMES[q.dtype], K, V, has_dht,
+    kernel = launcher(chunk_bwd_dh_ws_kernel, arch, DTYPE_NAMES[q.dtype], K, V, has_dht,
                       *static_flags(warmup, not boundary, boundary))
     kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0,
@@ -139,7 +143,7 @@ def grad_buffers(q, v, num_chunks: int, cu_seqlens, cu_seqlens_cpu) -> tuple:
             alloc(Tt, Hv, dtype=torch.float32, device=q.device))
 
 
-def sum_groups(dx: torch.Tensor) -> torch.Tensor:
+def sum_groups(dx: torch.Tensor, *, arch: Arch) -> torch.Tensor:
     """``[G, Tt, Hk, K]`` -> ``[Tt, Hk, K]`` in dx's dtype: the GVA sum over the value
     heads of each q/k head (``group_sum_kernel``: deterministic, accumulated in fp32)."""
     G, Tt, Hk, K = dx.shape
@@ -148,26 +152,26 @@ def sum_groups(dx: torch.Tensor) -> torch.Tensor:
     if Tt * Hk == 0:
         return dx.sum(dim=0)
     out = torch.empty(Tt, Hk, K, dtype=dx.dtype, device=dx.device)
-    launcher(group_sum_kernel, DTYPE_NAMES[dx.dtype], K)(dx.view(G, Tt * Hk, K),
-                                                          out.view(Tt * Hk, K))
+    launcher(group_sum_kernel, arch, DTYPE_NAMES[dx.dtype], K)(dx.view(G, Tt * Hk, K),
+                                                                out.view(Tt * Hk, K))
     return out
 
 
-def finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta) -> tuple:
+def finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta, *, arch: Arch) -> tuple:
     """:func:`grad_buffers` filled by a kernel -> ``(dq, dk, dv, dbeta, dg)`` as
     ``Kernels.bwd`` returns them: the GVA sum of dq, dk (:func:`sum_groups`), ``[B, T,
     ...]`` views in the inputs' dtypes, dg fp32."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
-    return (sum_groups(dq).view(B, T, Hk, K).to(q.dtype),
-            sum_groups(dk).view(B, T, Hk, K).to(k.dtype),
+    return (sum_groups(dq, arch=arch).view(B, T, Hk, K).to(q.dtype),
+            sum_groups(dk, arch=arch).view(B, T, Hk, K).to(k.dtype),
             dv.view(B, T, Hv, V).to(v.dtype),
             dbeta.view(B, T, Hv).to(beta.dtype),
             dg.view(B, T, Hv))
 
 
-def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu_seqlens_cpu,
-                packed: Packed | None = None):
+def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, arch: Arch, scale, cu_seqlens,
+                cu_seqlens_cpu, packed: Packed | None = None):
     """Every input gradient, chunk-parallel (``chunk_bwd_intra_kernel``), given the chunk
     states.
 
@@ -191,16 +195,16 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, scale, cu_seqlens, cu
     NT = h.numel() // (Hv * K * V)
     dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
     if NT > 0:
-        launcher(chunk_bwd_intra_kernel, DTYPE_NAMES[dt], K, V)(
+        launcher(chunk_bwd_intra_kernel, arch, DTYPE_NAMES[dt], K, V)(
             p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
             h.reshape(NT, Hv, K, V).to(dt).contiguous(),
             dS1.reshape(NT, Hv, K, V).to(dt).contiguous(),
             p.layout.cu_seqlens, p.layout.chunk_offsets, p.layout.chunk_idx, float(scale),
             dq, dk, dv, dbeta, dg)
-    return finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta)
+    return finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta, arch=arch)
 
 
-def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
+def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu_seqlens,
                 cu_seqlens_cpu, packed: Packed | None = None):
     """The reverse sweep and every input gradient in one launch
     (``chunk_bwd_fused_kernel``), given the chunk-start states in q's dtype.
@@ -233,28 +237,28 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, dht, scale, cu_seqlens,
     dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
     dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
-    launcher(chunk_bwd_fused_kernel, DTYPE_NAMES[dt], K, V, has_dht)(
+    launcher(chunk_bwd_fused_kernel, arch, DTYPE_NAMES[dt], K, V, has_dht)(
         p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
         h.reshape(max(NT, 1), Hv, K, V) if NT else h.new_zeros(1, Hv, K, V),
         p.layout.cu_seqlens, p.layout.chunk_offsets,
         dht.contiguous() if has_dht else dh0, float(scale),
         dq, dk, dv, dbeta, dg, dh0)
-    return (*finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta), dh0)
+    return (*finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta, arch=arch), dh0)
 
 
 @_fp32_beta
-def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
-              cu_seqlens_cpu, states=None, fused: bool | None = None):
+def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale, initial_state,
+              cu_seqlens, cu_seqlens_cpu, states=None, fused: bool | None = None):
     """``Kernels.bwd``: returns (dq, dk, dv, dbeta, dg, dh0), dh0 None without an initial
     state (module docstring). ``states``: the chunk states the forward kept
     (``chunk_fwd(keep_states=True)``), read instead of recomputed. ``fused``: the fused
     reverse kernel (True) or the two kernels (False); None: :func:`plan.fused_backward`
-    decides."""
-    common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    decides, where ``arch.fused_backward`` allows the fused kernel."""
+    common = dict(arch=arch, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
     if fused is None:
-        fused = plan.fused_backward(p.layout, cu_seqlens_cpu, v.shape[2],
-                                    sm_count(q.device)).value
+        fused = arch.fused_backward and plan.fused_backward(
+            p.layout, cu_seqlens_cpu, v.shape[2], sm_count(q.device)).value
     h = states if states is not None else chunk_states(
         q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p, **common)
     if fused:
@@ -267,8 +271,8 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_s
 
 
 @_fp32_beta
-def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
-                     cu_seqlens, cu_seqlens_cpu, starts, ends, states=None,
+def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale,
+                     initial_state, cu_seqlens, cu_seqlens_cpu, starts, ends, states=None,
                      fused: bool | None = None):
     """``Kernels.bwd_warmup``: the backward of the bounded segment split
     (``flash_qla.segments.warmup_bwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
@@ -281,11 +285,11 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_stat
     warm-up chunks only (dS at its end) and ``chunk_bwd_fused`` over the segment.
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment ``[Nseg, Hv, K, V]``
     (None without an initial state)."""
-    common = dict(scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    common = dict(arch=arch, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static=True)   # segment offsets
     if fused is None:
-        fused = plan.fused_backward(p.layout, cu_seqlens_cpu, v.shape[2],
-                                    sm_count(q.device)).value
+        fused = arch.fused_backward and plan.fused_backward(
+            p.layout, cu_seqlens_cpu, v.shape[2], sm_count(q.device)).value
     h = states if states is not None else chunk_states(
         q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p, walks=starts,
         **common)

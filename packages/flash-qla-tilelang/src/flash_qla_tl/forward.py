@@ -1,4 +1,5 @@
-"""Forward of the Hopper backend: the prepare kernel (gate cumsum + per-chunk inverse),
+"""Forward of the TileLang backends (every host function takes the :class:`Arch` its
+kernels are built for): the prepare kernel (gate cumsum + per-chunk inverse),
 then the recurrence kernel (chunk states, output, final state). Shapes follow
 ``flash_qla.backend.Kernels.fwd``; :func:`state_output` also serves the backward's
 recompute of h."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import plan
+from .arch import Arch
 from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
 from .kernels.chunk_state_output import chunk_fwd_ws_kernel
 from .kernels.traits import CHUNK
@@ -25,10 +27,11 @@ from .layout import (
 )
 
 
-def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, initial_state,
-                 num_chunks: int | None, alloc, walks=None, h_in_dtype: bool = False,
-                 states_only: bool = False):
-    """Run the recurrence kernel (``chunk_fwd_ws_kernel``) on packed inputs.
+def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch, scale,
+                 initial_state, num_chunks: int | None, alloc, walks=None,
+                 h_in_dtype: bool = False, states_only: bool = False):
+    """Run the recurrence kernel (``chunk_fwd_ws_kernel`` built for ``arch``) on packed
+    inputs.
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
@@ -51,7 +54,7 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, init
     h = (final_state.new_empty(max(num_chunks, 1), Hv, K, V,
                                dtype=q.dtype if h_in_dtype else torch.float32)
          if store_h else no_h(q.device, Hv, K, V))
-    kernel = launcher(chunk_fwd_ws_kernel, DTYPE_NAMES[q.dtype], K, V, has_h0, store_h,
+    kernel = launcher(chunk_fwd_ws_kernel, arch, DTYPE_NAMES[q.dtype], K, V, has_h0, store_h,
                       *static_flags(walks is not None, h_in_dtype and store_h,
                                     states_only and store_h))
     kernel(q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
@@ -59,8 +62,9 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, scale, init
     return o, final_state, (h[:num_chunks] if store_h else None)
 
 
-def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, scale,
-             initial_state, cu_seqlens_cpu, output_final_state, output_h, keep_states=False):
+def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, arch: Arch,
+             scale, initial_state, cu_seqlens_cpu, output_final_state, output_h,
+             keep_states=False):
     """:func:`state_output` on the packed k, g_cumsum, beta, A, returning ``(o, h,
     final_state)`` in the layout of ``Kernels.fwd`` (o ``[B, T, Hv, V]``; dense h
     ``[B, NT/B, ...]`` fp32). ``keep_states`` (without ``output_h``): h's place holds the
@@ -70,7 +74,7 @@ def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, 
     Hv, V = v.shape[2:]
     keep = keep_states and not output_h and plan.keep_states(layout, cu_seqlens_cpu).value
     o, final_state, h = state_output(
-        packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, layout, scale=scale,
+        packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, layout, arch=arch, scale=scale,
         initial_state=initial_state, alloc=alloc, h_in_dtype=keep,
         num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h or keep else None)
     if output_h:
@@ -78,7 +82,7 @@ def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, 
     return o.view(B, T, Hv, V), h, final_state if output_final_state else None
 
 
-def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool = False):
+def _prepare(arch: Arch, q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool = False):
     """The call's layout and output allocator, and the prepare kernel on it: returns
     ``(layout, alloc, k_p [Tt, Hk, K], beta_p [Tt, Hv] fp32, g_cumsum [Tt, Hv] fp32,
     A [Tt, Hv, C])`` (packed) for the recurrence. ``static``: see
@@ -90,29 +94,29 @@ def _prepare(q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool = False):
     Tt, Hv = beta_p.shape
     g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
     A = alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
-    launcher(chunk_prepare_blocked_kernel, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
+    launcher(chunk_prepare_blocked_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
         k_p, packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
         g_cumsum, A)
     return layout, alloc, k_p, beta_p, g_cumsum, A
 
 
-def chunk_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-              output_final_state, output_h, keep_states=False):
+def chunk_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens,
+              cu_seqlens_cpu, output_final_state, output_h, keep_states=False):
     """``Kernels.fwd``: returns (g_cumsum, A, o, h, final_state); with ``keep_states``,
     h's place holds the states the backward reads, or None (:func:`plan.keep_states`)."""
     B, T = q.shape[:2]
     Hv = v.shape[2]
-    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
+    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(arch, q, k, g, beta, cu_seqlens,
                                                        cu_seqlens_cpu)
     o, h, final_state = _outputs(
-        q, k_p, v, g_cumsum, beta_p, A, layout, alloc, scale=scale,
+        q, k_p, v, g_cumsum, beta_p, A, layout, alloc, arch=arch, scale=scale,
         initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
         output_final_state=output_final_state, output_h=output_h, keep_states=keep_states)
     return g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o, h, final_state
 
 
-def prepared_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
-              cu_seqlens_cpu, output_final_state, output_h):
+def prepared_fwd(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state, cu_seqlens,
+                 cu_seqlens_cpu, output_final_state, output_h):
     """``Kernels.fwd_prepared``: the recurrence alone, from a prepare's outputs
     (g_cumsum ``[B,T,Hv]`` fp32 and A ``[B,T,Hv,C]`` as :func:`chunk_fwd` returned them
     for the same tokens and chunk boundaries; the exact segment split's passes).
@@ -120,13 +124,14 @@ def prepared_fwd(q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens
     return _outputs(
         q, packed(k), v, packed(g_cumsum, torch.float32), packed(beta, torch.float32),
         packed(A), layout_for(q, cu_seqlens),
-        output_alloc(cu_seqlens, cu_seqlens_cpu, q.shape[0] * q.shape[1]), scale=scale,
+        output_alloc(cu_seqlens, cu_seqlens_cpu, q.shape[0] * q.shape[1]), arch=arch,
+        scale=scale,
         initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
         output_final_state=output_final_state, output_h=output_h)
 
 
-def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-               starts, keep_states=False):
+def warmup_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens,
+               cu_seqlens_cpu, starts, keep_states=False):
     """``Kernels.fwd_warmup``: the bounded segment split in one pass
     (``flash_qla.segments.warmup_fwd``). ``cu_seqlens`` / ``cu_seqlens_cpu`` hold the
     segments (``[Nseg + 1]``); ``starts`` is the walk rule
@@ -137,11 +142,11 @@ def warmup_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens
     :func:`plan.keep_states` says no."""
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
-    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(q, k, g, beta, cu_seqlens,
+    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(arch, q, k, g, beta, cu_seqlens,
                                                        cu_seqlens_cpu, static=True)
     keep = keep_states and plan.keep_states(layout, cu_seqlens_cpu).value
     o, final_state, h = state_output(
-        packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout, scale=scale,
+        packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout, arch=arch, scale=scale,
         initial_state=initial_state, alloc=alloc, walks=starts,
         num_chunks=total_chunks(layout, cu_seqlens_cpu) if keep else None, h_in_dtype=keep)
     outs = (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from .arch import Arch
 from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
 from .kernels.chunk_grads_fused import chunk_bwd_fused_kernel
 from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
@@ -67,58 +69,82 @@ SWEEP_FLAGS = (
 )
 
 
-def variants():
-    """Every (builder, static args) the backend launches, per dtype and head dims:
-    the prepare, the forward's variants (:data:`FWD_FLAGS`) x initial state, the sweep's
-    (:data:`SWEEP_FLAGS`) x dht, the per-chunk gradient kernel, the GVA sum, and the
-    fused reverse kernel x dht. ``tests/sm90/test_host_path.py`` checks that the host
-    path launches nothing else."""
+def variants(arch: Arch):
+    """Every (builder, static args) the backend launches on ``arch``, per dtype and head
+    dims (the args start with ``arch``): the prepare, the forward's variants
+    (:data:`FWD_FLAGS`) x initial state, the sweep's (:data:`SWEEP_FLAGS`) x dht, the
+    per-chunk gradient kernel, the GVA sum, the fused reverse kernel x dht (where
+    ``arch.fused_backward``; else also no boundary sweep, which only feeds it), and the
+    decode step x initial state; only the decode step where not ``arch.chunked``.
+    ``tests/sm90/test_host_path.py`` checks that the host path launches nothing else."""
     for dtype in DTYPES:
         for K, V in HEAD_DIMS:
-            yield chunk_prepare_blocked_kernel, (dtype, K)
-            for has_h0 in (False, True):
-                for store_h, *flags in FWD_FLAGS:
-                    yield chunk_fwd_ws_kernel, (dtype, K, V, has_h0, store_h, *flags)
-            for has_dht in (False, True):
-                for flags in SWEEP_FLAGS:
-                    yield chunk_bwd_dh_ws_kernel, (dtype, K, V, has_dht, *flags)
-            yield chunk_bwd_intra_kernel, (dtype, K, V)
-            yield group_sum_kernel, (dtype, K)
-            for has_dht in (False, True):
-                yield chunk_bwd_fused_kernel, (dtype, K, V, has_dht)
+            if arch.chunked:
+                yield from _chunked_variants(arch, dtype, K, V)
             for has_h0 in (False, True):                 # decode (flash_qla.recurrent)
-                yield recurrent_step_kernel, (dtype, K, V, has_h0)
+                yield recurrent_step_kernel, (arch, dtype, K, V, has_h0)
 
 
-def _compile_slice(cache_dir: str, jobs: int, index: int) -> int:
-    """Compile every ``jobs``-th variant starting at ``index`` (one worker process)."""
+def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
+    """:func:`variants`' kernels of the chunked prefill for one dtype and head dims."""
+    yield chunk_prepare_blocked_kernel, (arch, dtype, K)
+    for has_h0 in (False, True):
+        for store_h, *flags in FWD_FLAGS:
+            yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)
+    for has_dht in (False, True):
+        for flags in SWEEP_FLAGS:
+            if arch.fused_backward or not flags[2:]:
+                yield chunk_bwd_dh_ws_kernel, (arch, dtype, K, V, has_dht, *flags)
+    yield chunk_bwd_intra_kernel, (arch, dtype, K, V)
+    yield group_sum_kernel, (arch, dtype, K)
+    if arch.fused_backward:
+        for has_dht in (False, True):
+            yield chunk_bwd_fused_kernel, (arch, dtype, K, V, has_dht)
+
+
+def _compile_slice(arches: tuple[Arch, ...], cache_dir: str, jobs: int, index: int) -> int:
+    """Compile every ``jobs``-th variant of ``arches`` starting at ``index`` (one worker
+    process)."""
     os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(cache_dir)
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
     count = 0
-    for i, (builder, args) in enumerate(variants()):
+    every = [entry for arch in arches for entry in variants(arch)]
+    for i, (builder, args) in enumerate(every):
         if i % jobs == index:
             builder(*args)
             count += 1
     return count
 
 
-def compile_all(cache_dir: str, jobs: int = 1) -> int:
-    """Compile every variant into ``cache_dir`` (``jobs`` processes); returns how many."""
+def compile_all(arches: tuple[Arch, ...], cache_dir: str, jobs: int = 1) -> int:
+    """Compile every variant of ``arches`` into ``cache_dir`` (``jobs`` processes);
+    returns how many."""
     if jobs <= 1:
-        return _compile_slice(cache_dir, 1, 0)
+        return _compile_slice(arches, cache_dir, 1, 0)
     import concurrent.futures
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        return sum(pool.map(_compile_slice, [cache_dir] * jobs, [jobs] * jobs, range(jobs)))
+        return sum(pool.map(_compile_slice, [arches] * jobs, [cache_dir] * jobs,
+                            [jobs] * jobs, range(jobs)))
 
 
-def main(argv=None) -> None:
+def main(arches: dict[str, Callable[[], Arch]], default: str, argv=None) -> None:
+    """The command of an arch package's ``precompile`` module: ``arches`` maps the names
+    ``--arch`` takes to their arch (resolved only when named; several: comma-separated,
+    or "all"); ``default``: ``--arch``'s default."""
     parser = argparse.ArgumentParser(description=compile_all.__doc__)
     parser.add_argument("cache_dir", help="TileLang cache directory to fill")
     parser.add_argument("--jobs", type=int, default=1,
                         help="compiler processes (default 1; the H200 host: 14)")
+    parser.add_argument("--arch", default=default,
+                        help=f"comma-separated, of {', '.join(arches)}, or 'all' "
+                             f"(default: %(default)s)")
     args = parser.parse_args(argv)
-    count = compile_all(args.cache_dir, args.jobs)
-    print(f"compiled {count} kernels into {args.cache_dir}")
+    names = list(arches) if args.arch == "all" else args.arch.split(",")
+    unknown = [name for name in names if name not in arches]
+    if unknown:
+        parser.error(f"--arch: unknown {unknown}; known: {', '.join(arches)}")
+    count = compile_all(tuple(arches[name]() for name in names), args.cache_dir, args.jobs)
+    print(f"compiled {count} kernels ({', '.join(names)}) into {args.cache_dir}")

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from .arch import Arch
 from .kernels.recurrent_step import recurrent_step_kernel
 from .launch import launcher
 from .layout import DTYPE_NAMES, dense_layout, packed
 
 
-def recurrent_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_indices,
-                  output_final_state):
+def recurrent_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens,
+                  state_indices, output_final_state):
     """``(o [B, T, Hv, V], final_state)``. ``cu_seqlens`` None: the B rows are the
     sequences. ``state_indices`` ``[N]`` int: ``initial_state`` is a pool
     ``[P, Hv, K, V]`` fp32, read at the indices and updated there in place (the final
@@ -35,7 +36,7 @@ def recurrent_fwd(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_i
         h0 = initial_state if initial_state is not None else ht
     o = torch.zeros(B * T, Hv, V, dtype=q.dtype, device=device)   # padding rows stay 0
     if N > 0 and B * T > 0:
-        launcher(recurrent_step_kernel, DTYPE_NAMES[q.dtype], K, V,
+        launcher(recurrent_step_kernel, arch, DTYPE_NAMES[q.dtype], K, V,
                  initial_state is not None)(
             packed(q), packed(k), packed(v), packed(g, torch.float32),
             packed(beta, torch.float32), cu, slots, h0, float(scale), o, ht)

@@ -7,25 +7,27 @@ For each chunk (rows i, j in [0, C)) and value head (gdn-math.md, "Chunked form"
     A   = (I + N)^-1                                  # [C, C] unit lower-triangular
 
 A depends only on k and beta, so no exponent of the gate enters it. One CTA of 128
-threads per (chunk, value head): K K^T on WGMMA, the cumsum by one thread per row, and
-the inverse blocked (``chunk_prepare_blocked_kernel``'s docstring): 16 x 16 diagonal
-blocks by substitution in fp32, the rest as four fp16 WGMMA products. Rows past the end
+threads per (chunk, value head): K K^T on the tensor cores (WGMMA on Hopper, mma.sync on
+Blackwell: ``T.gemm`` picks by target), the cumsum by one thread per row, and the inverse
+blocked (``chunk_prepare_blocked_kernel``'s docstring): 16 x 16 diagonal blocks by
+substitution in fp32, the rest as four fp16 tensor-core products. Rows past the end
 of a sequence act as k = beta = 0 and are not written.
 """
 
-import tilelang
 import tilelang.language as T
 
-from .traits import CHUNK, PASS_CONFIGS, PREPARE_MIN_CTAS_PER_SM, PREPARE_THREADS, TARGET
+from ..arch import Arch
+from .builder import arch_kernel
+from .traits import CHUNK, PREPARE_THREADS
 
 #: Side of the diagonal blocks that ``chunk_prepare_blocked_kernel`` inverts by
 #: substitution.
 BLOCK = 16
 
 
-@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_prepare_blocked_kernel(dtype: str, K: int):
-    """Build the prepare kernel for q/k dtype ``dtype`` and key dim ``K``.
+@arch_kernel()
+def chunk_prepare_blocked_kernel(arch: Arch, dtype: str, K: int):
+    """Build the prepare kernel for ``arch``, q/k dtype ``dtype`` and key dim ``K``.
 
     Kernel arguments (packed token layout, Tt = total tokens, NTmax >= real chunks):
         k           [Tt, Hk, K]  dtype
@@ -37,7 +39,7 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
         A           [Tt, Hv, C]  dtype out
 
     One CTA of 128 threads per (chunk, value head), its registers capped at 65536 /
-    (128 x ``PREPARE_MIN_CTAS_PER_SM``) so that that many CTAs fit on an SM. With
+    (128 x ``arch.prepare_min_ctas``) so that that many CTAs fit on an SM. With
     N = N_d + N_o (N_d: the four 16 x 16 diagonal blocks, N_o: the blocks below them)
     and block lower-triangular algebra:
 
@@ -45,7 +47,7 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
         M = D N_o                    strictly block-lower, so M^4 = 0 and
         A = (I + M)^-1 D = (I - M)(I + M^2) D = X - M X,   X = (I + M^2) D
 
-    The four 64 x 64 x 64 products run on WGMMA with fp16 operands and fp32
+    The four 64 x 64 x 64 products run on the tensor cores with fp16 operands and fp32
     accumulation, all into one accumulator (I + M^2 onto the identity, X - M X onto X's
     fp32 values, with -M as the operand). fp16 keeps 11 mantissa bits: with
     beta |k|^2 <= 1 (L2-normalised keys, beta in (0, 1), the GDN setting) the error of A
@@ -75,7 +77,7 @@ def chunk_prepare_blocked_kernel(dtype: str, K: int):
         A: T.Tensor((Tt, Hv, C), dtype),
     ):
         with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
-            T.annotate_min_blocks_per_sm(PREPARE_MIN_CTAS_PER_SM)
+            T.annotate_min_blocks_per_sm(arch.prepare_min_ctas)
             k_shared = T.alloc_shared((C, K), dtype)
             # the one [C, C] fp32 accumulator: K K^T, M, I + M^2, X, then A = X - M X
             # (with a second live one, X beside M X, the register cap of 6 CTAs per SM

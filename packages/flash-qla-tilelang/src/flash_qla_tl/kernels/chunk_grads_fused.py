@@ -55,26 +55,32 @@ in the intra role only (the chain role's row sums stay within a quad); the roles
 named barriers are 3 and up.
 """
 
+import functools
+
 import tilelang
 import tilelang.language as T
 
-from .tile_ops import fetch_gates, stage_gates
-from .traits import CHUNK, PASS_CONFIGS, TARGET
+from ..arch import Arch
+from .builder import arch_kernel
+from .tile_ops import fetch_gates, mma, mma_wait, stage_gates
+from .traits import CHUNK
 
-#: setmaxnreg budgets per role (warpgroups 0..3). The launch gives 512 threads 128
-#: registers each; the four budgets must sum to at most 4 x 128.
-STATE_REGS, CHAIN_REGS, INTRA_REGS, LOAD_REGS = 160, 160, 168, 24
-assert STATE_REGS + CHAIN_REGS + INTRA_REGS + LOAD_REGS <= 4 * 128
 #: named barriers of the roles' own threads (0 is __syncthreads', 1 and 2 TileLang's
 #: cross-warp reductions, which only the intra role runs)
 CHAIN_BAR, INTRA_BAR, LOAD_BAR = 3, 4, 5
 
 
-@tilelang.jit(target=TARGET, pass_configs={
-    **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
-    tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True})
-def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
-    """Build the fused reverse kernel for q/k/v dtype ``dtype``, K = V = 128.
+@arch_kernel(pass_configs={tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+                           tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True})
+def chunk_bwd_fused_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool):
+    """Build the fused reverse kernel for ``arch``, q/k/v dtype ``dtype``, K = V = 128.
+
+    ``arch`` gives the GEMMs (``tile_ops.mma``), the roles' setmaxnreg budgets (state,
+    chain, intra, load; the launch gives 512 threads 128 registers each, so they sum to
+    at most 4 x 128; none: no setmaxnreg) and the column sums of the intra role
+    (``arch.column_sums``, as ``chunk_bwd_intra_kernel``: with "transposed", dAg^T = X
+    dU^T and dP^T = U dO^T are formed and their rows summed, before the role hands M
+    over, since the chain role then reuses dU's tile).
 
     ``has_dht``: the walk starts from ``dht[n]`` (else from zero). dq, dk are written per
     value head in ``dtype`` (as ``chunk_bwd_intra_kernel``).
@@ -98,6 +104,21 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
         dh0             [N, Hv, K, V]   fp32 out, state gradient at each start
     Only rows of real tokens are written."""
     C = CHUNK
+    budget = arch.budget("chunk_bwd_fused")
+    set_regs = budget is not None
+    STATE_REGS, CHAIN_REGS, INTRA_REGS, LOAD_REGS = budget or (0, 0, 0, 0)
+    assert sum(budget or ()) <= 4 * 128, budget
+    gemm = mma(arch)
+    wait = mma_wait(arch)
+    transposed = arch.column_sums == "transposed"
+    # Every product gives each warp whole rows of its tile: a WGMMA tile does by itself;
+    # mma.sync tiles are split by columns too unless asked (``FullRow``). Row sums then
+    # stay within a warp: the chain role's (dD, dN's) must (TileLang's cross-warp
+    # reductions use named barriers 1 and 2, which the intra role's use at the same
+    # time), and the intra role's need no shared workspace (227 KB are all taken).
+    row_gemm = T.gemm
+    if arch.mma != "wgmma":
+        row_gemm = gemm = functools.partial(T.gemm, policy=T.GemmWarpPolicy.FullRow)
     # <S0, dS1>: the state role (warpgroup 0, threads 0..127: its thread index is its
     # slot of ss_s) writes 128 = K partial sums, which the intra role folds as 2 per row
     assert K == V == 2 * C == 128
@@ -202,7 +223,8 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
             free = T.alloc_barrier(384)        # state, chain, intra -> load: tiles read
 
             with T.ws(2):                                         # intra
-                T.inc_max_nreg(INTRA_REGS)
+                if set_regs:
+                    T.inc_max_nreg(INTRA_REGS)
                 for r in T.serial(chunks):
                     c = chunks - 1 - r
                     t0 = bos + c * C
@@ -210,7 +232,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     ph = r % 2
                     T.barrier_wait(ready, ph)
                     # X = V - E K S0 (K S0 kept for <-E dX, K S0>)
-                    T.gemm(k_s, s0_s, ks0, clear_accum=True)                      # K S0
+                    row_gemm(k_s, s0_s, ks0, clear_accum=True)                      # K S0
                     T.copy(vx_s, iv)
                     for i, j in T.Parallel(C, V):
                         iv[i, j] = iv[i, j] - eg_s[i] * ks0[i, j]
@@ -219,7 +241,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     T.sync_threads(INTRA_BAR, 128)
                     # U = Ag X
                     T.barrier_wait(pag, ph)
-                    T.gemm(ag_s, vx_s, iv, clear_accum=True)                       # U
+                    row_gemm(ag_s, vx_s, iv, clear_accum=True)                       # U
                     T.tma_store_wait()              # the last chunk's dq store has read
                     T.sync_threads(INTRA_BAR, 128)  # U's tile (one elected thread's
                     #                                 store; the others pass)
@@ -228,31 +250,49 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     T.sync_threads(INTRA_BAR, 128)
                     # dAg = dU X^T: M, dbeta's first term, dGG's M * A
                     T.barrier_wait(du_b, ph)
-                    T.gemm(du_s, vx_s, dag, transpose_B=True, clear_accum=True)    # dAg
+                    row_gemm(du_s, vx_s, dag, transpose_B=True, clear_accum=True)    # dAg
                     for i, j in T.Parallel(C, C):
                         dagg = dag[i, j] * g_s[i, j]                # dAg * G (0: masked)
                         a = T.cast(a_s[i, j], f32)
                         dag[i, j] = dagg * beta_s[j]                                 # M
-                        cc[i, j] = dagg * a
+                        if not transposed:
+                            cc[i, j] = dagg * a
                         dgg[i, j] = dagg * a * beta_s[j]                             # M * A
                     T.copy(dag, m_s)
+                    if transposed:               # dAg^T = X dU^T (dU's tile goes at m_b)
+                        row_gemm(vx_s, du_s, cc, transpose_B=True, clear_accum=True)
+                        for j, i in T.Parallel(C, C):
+                            cc[j, i] = (cc[j, i] * T.cast(g_s[i, j], f32)
+                                        * T.cast(a_s[i, j], f32))
                     T.fence_proxy_async()
                     T.barrier_arrive(m_b)
-                    T.reduce_sum(cc, c_dba, dim=0, batch=4)
+                    if transposed:
+                        T.reduce_sum(cc, c_dba, dim=1, batch=2)
+                    else:
+                        T.reduce_sum(cc, c_dba, dim=0, batch=4)
                     for j in T.Parallel(C):
                         vec_s[2, j] = c_dba[j]                                    # dbeta
                     # dP = dO U^T: dP * G (in Ps's slot), dGG += dP * Ps
-                    T.gemm(do_s, u_s, dag, transpose_B=True, clear_accum=True)     # dP
+                    row_gemm(do_s, u_s, dag, transpose_B=True, clear_accum=True)     # dP
                     for i, j in T.Parallel(C, C):
                         ps = T.cast(p_s[i, j], f32)
                         dgg[i, j] = dgg[i, j] + dag[i, j] * ps
                         dag[i, j] = dag[i, j] * scale * T.cast(g_s[i, j], f32)   # dP * G
+                    if transposed:               # dP^T = U dO^T, times Ps read transposed
+                        row_gemm(u_s, do_s, cc, transpose_B=True, clear_accum=True)
+                        for j, i in T.Parallel(C, C):
+                            cc[j, i] = cc[j, i] * T.cast(p_s[i, j], f32)
                     T.sync_threads(INTRA_BAR, 128)          # every Ps read before it goes
                     T.copy(dag, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dpg_b)
                     T.reduce_sum(dgg, r_dgg, dim=1, batch=2)
-                    T.reduce_sum(dgg, c_dgg, dim=0, batch=4)
+                    if transposed:               # + the M * A columns: beta_j dbeta_j
+                        T.reduce_sum(cc, c_dgg, dim=1, batch=2)
+                        for j in T.Parallel(C):
+                            c_dgg[j] = c_dgg[j] + beta_s[j] * c_dba[j]
+                    else:
+                        T.reduce_sum(dgg, c_dgg, dim=0, batch=4)
                     for i in T.Parallel(C):
                         vec_s[4, i] = r_dgg[i]
                     for j in T.Parallel(C):
@@ -272,14 +312,14 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     T.sync_threads(INTRA_BAR, 128)
                     T.barrier_arrive(sedo_b)
                     # dq = (scale E dO) S0^T + (dP G) K; <Q, (scale E dO) S0^T> rows
-                    T.gemm(do_s, s0_s, iv, transpose_B=True, clear_accum=True)
+                    row_gemm(do_s, s0_s, iv, transpose_B=True, clear_accum=True)
                     T.copy(q_s, tb)
                     for i, j in T.Parallel(C, K):
                         iv2[i, j] = iv[i, j] * T.cast(tb[i, j], f32)
                     T.reduce_sum(iv2, r_qs, dim=1, batch=2)
                     for i in T.Parallel(C):
                         vec_s[0, i] = r_qs[i]
-                    T.gemm(p_s, k_s, iv)                                          # + dPG K
+                    row_gemm(p_s, k_s, iv)                                          # + dPG K
                     # the <S0, dS1> term of dg, the last read of the chunk's tiles and
                     # gates: the next chunk's loads go while dq and dg are finished
                     T.barrier_wait(ss_b, ph)
@@ -321,7 +361,8 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                 #                                     last dq store has read it
 
             with T.ws(1):                                         # chain
-                T.inc_max_nreg(CHAIN_REGS)
+                if set_regs:
+                    T.inc_max_nreg(CHAIN_REGS)
                 for r in T.serial(chunks):
                     c = chunks - 1 - r
                     t0 = bos + c * C
@@ -329,7 +370,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     ph = r % 2
                     T.barrier_wait(ready, ph)
                     # Q K^T -> Ps = scale G * tril(Q K^T), Ag = (G * A) diag(beta), G
-                    T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                    row_gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         live = (i >= j) & (i < rows)
                         e = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))
@@ -345,10 +386,10 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     T.barrier_arrive(pag)
                     # dU = D (K dS1) + Ps^T dO
                     T.barrier_wait(ds1_b, ph)
-                    T.gemm(k_s, ds1_s, cv, clear_accum=True)                       # K dS1
+                    row_gemm(k_s, ds1_s, cv, clear_accum=True)                       # K dS1
                     for i, j in T.Parallel(C, V):
                         cv[i, j] = cv[i, j] * ed_s[i]
-                    T.gemm(p_s, do_s, cv, transpose_A=True)                       # + Ps^T dO
+                    row_gemm(p_s, do_s, cv, transpose_A=True)                       # + Ps^T dO
                     T.tma_store_wait()              # the last chunk's dv / dk stores have
                     T.sync_threads(CHAIN_BAR, 128)  # read dU's tile (one elected thread's)
                     T.copy(cv, du_s)
@@ -356,7 +397,7 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     T.sync_threads(CHAIN_BAR, 128)
                     T.barrier_arrive(du_b)
                     # dX = Ag^T dU (= dv), -E dX
-                    T.gemm(ag_s, du_s, cv, transpose_A=True, clear_accum=True)     # dX
+                    row_gemm(ag_s, du_s, cv, transpose_A=True, clear_accum=True)     # dX
                     if rows < C:                    # a tail chunk's dv by element
                         for i, j in T.Parallel(C, V):
                             if i < rows:
@@ -374,13 +415,13 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                         T.fence_proxy_async()
                         T.sync_threads(CHAIN_BAR, 128)
                         T.tma_copy(du_s, dv[t0:t0 + C, hh, :])
-                    T.gemm(a_s, m_s, qk, transpose_A=True, clear_accum=True)       # A^T M
+                    row_gemm(a_s, m_s, qk, transpose_A=True, clear_accum=True)       # A^T M
                     T.sync_threads(CHAIN_BAR, 128)          # M read by every warp
                     T.copy(qk, m_s)
                     T.fence_proxy_async()
                     T.sync_threads(CHAIN_BAR, 128)
-                    T.gemm(m_s, a_s, qk, transpose_B=True, clear_accum=True)       # A^T M A^T
-                    T.gemm(k_s, k_s, gb, transpose_B=True, clear_accum=True)       # K K^T
+                    row_gemm(m_s, a_s, qk, transpose_B=True, clear_accum=True)       # A^T M A^T
+                    row_gemm(k_s, k_s, gb, transpose_B=True, clear_accum=True)       # K K^T
                     for i, j in T.Parallel(C, C):
                         dn = T.if_then_else((i > j) & (i < rows), -qk[i, j], 0.0)
                         qk[i, j] = dn * beta_s[i]
@@ -394,18 +435,18 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     # dk = D (U dS1^T) + (dP G)^T Q + (-E dX) S0^T + bdN K + bdN^T K;
                     # dD = D <K, U dS1^T> rows
                     T.barrier_wait(dpg_b, ph)
-                    T.gemm(u_s, ds1_s, cv, transpose_B=True, clear_accum=True)     # U dS1^T
+                    row_gemm(u_s, ds1_s, cv, transpose_B=True, clear_accum=True)     # U dS1^T
                     for i, j in T.Parallel(C, K):
                         cv2[i, j] = cv[i, j] * T.cast(k_s[i, j], f32)
                         cv[i, j] = cv[i, j] * ed_s[i]
                     T.reduce_sum(cv2, r_dd, dim=1, batch=2)
                     for i in T.Parallel(C):
                         vec_s[1, i] = T.if_then_else(i < rows, r_dd[i] * ed_s[i], 0.0)
-                    T.wgmma_gemm(p_s, q_s, cv, transpose_A=True)
-                    T.wgmma_gemm(edx_s, s0_s, cv, transpose_B=True)
-                    T.wgmma_gemm(ag_s, k_s, cv)
-                    T.wgmma_gemm(ag_s, k_s, cv, transpose_A=True)
-                    T.wait_wgmma(0)
+                    gemm(p_s, q_s, cv, transpose_A=True)
+                    gemm(edx_s, s0_s, cv, transpose_B=True)
+                    gemm(ag_s, k_s, cv)
+                    gemm(ag_s, k_s, cv, transpose_A=True)
+                    wait(0)
                     T.barrier_arrive(chain_end)
                     T.barrier_arrive(free)
                     if rows == C:                           # dk through dU's tile too,
@@ -422,7 +463,8 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                 T.tma_store_wait()                  # shared memory lives until then
 
             with T.ws(0):                                         # state
-                T.inc_max_nreg(STATE_REGS)
+                if set_regs:
+                    T.inc_max_nreg(STATE_REGS)
                 if has_dht:
                     for i, j in T.Parallel(V, K):
                         dst[i, j] = dht[n, hh, j, i]
@@ -443,16 +485,17 @@ def chunk_bwd_fused_kernel(dtype: str, K: int, V: int, has_dht: bool):
                     for i, j in T.Parallel(V, K):
                         dst[i, j] = dst[i, j] * eg_s[C - 1]
                     T.barrier_wait(sedo_b, ph)
-                    T.wgmma_gemm(do_s, q_s, dst, transpose_A=True)        # + (s E dO)^T Q
+                    gemm(do_s, q_s, dst, transpose_A=True)        # + (s E dO)^T Q
                     T.barrier_wait(edx_b, ph)
-                    T.wgmma_gemm(edx_s, k_s, dst, transpose_A=True)       # + (-E dX)^T K
-                    T.wait_wgmma(0)
+                    gemm(edx_s, k_s, dst, transpose_A=True)       # + (-E dX)^T K
+                    wait(0)
                     T.barrier_arrive(free)
                 for i, j in T.Parallel(V, K):
                     dh0[n, hh, j, i] = dst[i, j]
 
             with T.ws(3):                                         # load
-                T.dec_max_nreg(LOAD_REGS)
+                if set_regs:
+                    T.dec_max_nreg(LOAD_REGS)
                 if chunks > 0:
                     fetch_gates(g_cumsum, beta, hh, bos + (chunks - 1) * C, last, gam_next,
                                 gam_last_next, beta_next)

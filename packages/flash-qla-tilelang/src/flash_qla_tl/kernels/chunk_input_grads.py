@@ -53,16 +53,18 @@ whose lifetimes are disjoint), so one CTA per SM; 255 registers, no spills. The
 which needs K = 2 C.
 """
 
-import tilelang
 import tilelang.language as T
 
-from .tile_ops import LOG2E, zero_rows_past
-from .traits import CHUNK, GRAD_THREADS, PASS_CONFIGS, TARGET
+from ..arch import Arch
+from .builder import arch_kernel
+from .tile_ops import LOG2E, mma, mma_wait, zero_rows_past
+from .traits import CHUNK, GRAD_THREADS
 
 
-@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
-    """Build the per-chunk gradient kernel for q/k/v dtype ``dtype`` and head dims K, V.
+@arch_kernel()
+def chunk_bwd_intra_kernel(arch: Arch, dtype: str, K: int, V: int):
+    """Build the per-chunk gradient kernel for ``arch``, q/k/v dtype ``dtype`` and head
+    dims K, V.
     h and dS1 come in ``dtype``, straight into their GEMM operands; only ``<S0, dS1>``
     (for dg) is summed in fp32. dq, dk are written per value head in ``dtype`` (summed
     over each GVA group afterwards by ``group_sum``).
@@ -86,8 +88,19 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
         dv              [Tt, Hv, V]     dtype out
         dbeta, dg       [Tt, Hv]        fp32 out (dg w.r.t. the raw per-token gate)
     Only rows of real tokens are written.
+
+    The two column sums (dbeta's ``sum_i dAg_ij (G * A)_ij`` and dGG's ``sum_i
+    dGG_ij``) are ``T.reduce_sum(dim=0)`` with ``arch.column_sums == "reduce"``; with
+    "transposed" (mma.sync fragments, where TileLang 0.1.15 cannot lower a column
+    sum) they are row sums of transposed products: ``dAg^T = X dU^T`` times G and A read
+    transposed from shared memory, and dGG's columns as ``beta_j`` times dbeta's
+    first term (the M * A part) plus the rows of ``dP^T = scale U dO^T`` times P read
+    transposed (``P = G * tril(Q K^T)`` in q's dtype: the dP * G * Q K^T part).
     """
     C = CHUNK
+    gemm = mma(arch)                 # products waited for by ``wait`` (WGMMA)
+    wait = mma_wait(arch)
+    transposed = arch.column_sums == "transposed"
     assert K == 2 * C and V % 32 == 0      # <S0, dS1> row sums folded onto C rows
     Tt, Hk, Hv, NG, N1, NT, NTmax = T.dynamic("Tt, Hk, Hv, NG, N1, NT, NTmax")
     f32 = "float32"
@@ -226,17 +239,17 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
                 T.sync_threads()
 
                 # ---- forward recompute: X, U
-                T.wgmma_gemm(k_shared, s0_shared, ks0_frag, clear_accum=True)            # K S0
-                T.wgmma_gemm(q_shared, s0_shared, cv_frag, clear_accum=True)             # Q S0
-                T.wait_wgmma(1)                                                       # K S0
+                gemm(k_shared, s0_shared, ks0_frag, clear_accum=True)            # K S0
+                gemm(q_shared, s0_shared, cv_frag, clear_accum=True)             # Q S0
+                wait(1)                                                       # K S0
                 T.copy(u_shared, u_frag)                                              # V
                 for i, j in T.Parallel(C, V):
                     u_frag[i, j] = u_frag[i, j] - T.exp2(gam_shared[i]) * ks0_frag[i, j]
                 T.copy(u_frag, x_shared)
                 T.fence_proxy_async()
                 T.sync_threads()
-                T.wgmma_gemm(ag_shared, x_shared, u_frag, clear_accum=True)              # U = Ag X
-                T.wait_wgmma(1)                                                       # Q S0
+                gemm(ag_shared, x_shared, u_frag, clear_accum=True)              # U = Ag X
+                wait(1)                                                       # Q S0
                 for i, j in T.Parallel(C, V):
                     cv_frag[i, j] = cv_frag[i, j] * do_shared[i, j]
                 T.reduce_sum(cv_frag, r_qs, dim=1, batch=2)                       # <dO, QS0>
@@ -251,14 +264,14 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
                         ss_acc[i] = ss_acc[i] + ss_part[i]
                 for i in T.Parallel(K):
                     ss_shared[i] = ss_acc[i]
-                T.wait_wgmma(0)                                                       # U
+                wait(0)                                                       # U
                 T.copy(u_frag, u_shared)
 
                 # ---- dU = scale P^T dO + D K dS1, and dD = D <K dS1, U>
-                T.wgmma_gemm(p_shared, do_shared, du_frag, transpose_A=True,
+                gemm(p_shared, do_shared, du_frag, transpose_A=True,
                              clear_accum=True)                                        # P^T dO
-                T.wgmma_gemm(k_shared, ds1_shared, cv_frag, clear_accum=True)            # K dS1
-                T.wait_wgmma(0)
+                gemm(k_shared, ds1_shared, cv_frag, clear_accum=True)            # K dS1
+                wait(0)
                 for i, j in T.Parallel(C, V):
                     kds = T.exp2(gam_shared[C - 1] - gam_shared[i]) * cv_frag[i, j]
                     du_frag[i, j] = du_frag[i, j] * scale + kds
@@ -270,23 +283,30 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
 
                 # ---- dAg = dU X^T: dbeta (first term), M, and dGG's M * A; dX = Ag^T dU
                 # (= dV) issued behind it, waited for below
-                T.wgmma_gemm(du_shared, x_shared, cc_frag, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)
+                gemm(du_shared, x_shared, cc_frag, transpose_B=True, clear_accum=True)
+                gemm(ag_shared, du_shared, dx_frag, transpose_A=True, clear_accum=True)
                 T.copy(a_shared, kk_frag)                                             # A
                 T.copy(dpg_shared, dgg_frag)                                          # G
-                T.wait_wgmma(1)                                                       # dAg
+                wait(1)                                                       # dAg
                 for i, j in T.Parallel(C, C):
                     dagg = cc_frag[i, j] * dgg_frag[i, j]               # dAg * G (0: masked)
                     am_frag[i, j] = dagg * beta_shared[j]                                # M
                     cc_frag[i, j] = dagg * kk_frag[i, j]                                 # dAg * GA
                     dgg_frag[i, j] = dagg * kk_frag[i, j] * beta_shared[j]               # M * A
                 T.copy(am_frag, m_shared)
-                T.reduce_sum(cc_frag, c_dba, dim=0, batch=4)
+                if transposed:                   # dAg^T = X dU^T; G, A read transposed
+                    T.gemm(x_shared, du_shared, cc_frag, transpose_B=True, clear_accum=True)
+                    for j, i in T.Parallel(C, C):
+                        cc_frag[j, i] = (cc_frag[j, i] * T.cast(dpg_shared[i, j], f32)
+                                         * T.cast(a_shared[i, j], f32))
+                    T.reduce_sum(cc_frag, c_dba, dim=1, batch=2)
+                else:
+                    T.reduce_sum(cc_frag, c_dba, dim=0, batch=4)
                 for j in T.Parallel(C):
                     vec_shared[2, j] = c_dba[j]                                       # dbeta, 1st
 
                 # ---- dX = Ag^T dU (= dV); -E dX replaces dU as an operand
-                T.wait_wgmma(0)                                                       # dX
+                wait(0)                                                       # dX
                 for i, j in T.Parallel(C, V):
                     if i < rows:
                         dv[t0 + i, hh, j] = dx_frag[i, j]
@@ -300,25 +320,33 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
 
                 # ---- dP = scale dO U^T: dP * G, and dGG's dP * G * QK (K K^T, for dN
                 # below, issued behind it)
-                T.wgmma_gemm(do_shared, u_shared, cc_frag, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(a_shared, m_shared, am_frag, transpose_A=True,
+                gemm(do_shared, u_shared, cc_frag, transpose_B=True, clear_accum=True)
+                gemm(k_shared, k_shared, kk_frag, transpose_B=True, clear_accum=True)
+                gemm(a_shared, m_shared, am_frag, transpose_A=True,
                              clear_accum=True)                                        # A^T M
-                T.wait_wgmma(2)                                                       # dP
+                wait(2)                                                       # dP
                 for i, j in T.Parallel(C, C):
                     dpg = cc_frag[i, j] * scale * T.cast(dpg_shared[i, j], f32)         # * G
                     cc_frag[i, j] = dpg
                     dgg_frag[i, j] = dgg_frag[i, j] + dpg * qk_frag[i, j]
                 T.copy(cc_frag, dpg_shared)
                 T.reduce_sum(dgg_frag, r_dgg, dim=1, batch=2)
-                T.reduce_sum(dgg_frag, c_dgg, dim=0, batch=4)
+                if transposed:                   # dP^T = U dO^T (Q K^T's last use is over)
+                    T.gemm(u_shared, do_shared, qk_frag, transpose_B=True, clear_accum=True)
+                    for j, i in T.Parallel(C, C):
+                        qk_frag[j, i] = qk_frag[j, i] * scale * T.cast(p_shared[i, j], f32)
+                    T.reduce_sum(qk_frag, c_dgg, dim=1, batch=2)
+                    for j in T.Parallel(C):                     # + the M * A columns
+                        c_dgg[j] = c_dgg[j] + beta_shared[j] * c_dba[j]
+                else:
+                    T.reduce_sum(dgg_frag, c_dgg, dim=0, batch=4)
                 for i in T.Parallel(C):
                     vec_shared[4, i] = r_dgg[i]                                          # dGG rows
                 for j in T.Parallel(C):
                     vec_shared[6, j] = c_dgg[j]                                       # dGG cols
 
                 # ---- dN = strictly_lower(-A^T M A^T): dbeta (second term), diag(beta) dN
-                T.wait_wgmma(0)                                                # K K^T, A^T M
+                wait(0)                                                # K K^T, A^T M
                 T.copy(am_frag, p_shared)
                 T.gemm(p_shared, a_shared, cc_frag, transpose_B=True, clear_accum=True)  # A^T M A^T
                 for i, j in T.Parallel(C, C):
@@ -342,18 +370,18 @@ def chunk_bwd_intra_kernel(dtype: str, K: int, V: int):
                 T.copy(du_frag, u_shared)
                 T.fence_proxy_async()
                 T.sync_threads()
-                T.wgmma_gemm(do_shared, s0_shared, dq_frag, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(dpg_shared, k_shared, dq_frag)
-                T.wgmma_gemm(u_shared, ds1_shared, dk_frag, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(dpg_shared, q_shared, dk_frag, transpose_A=True)
-                T.wgmma_gemm(du_shared, s0_shared, dk_frag, transpose_B=True)
-                T.wgmma_gemm(ag_shared, k_shared, dk_frag)
-                T.wgmma_gemm(ag_shared, k_shared, dk_frag, transpose_A=True)
-                T.wait_wgmma(5)                                                       # dQ
+                gemm(do_shared, s0_shared, dq_frag, transpose_B=True, clear_accum=True)
+                gemm(dpg_shared, k_shared, dq_frag)
+                gemm(u_shared, ds1_shared, dk_frag, transpose_B=True, clear_accum=True)
+                gemm(dpg_shared, q_shared, dk_frag, transpose_A=True)
+                gemm(du_shared, s0_shared, dk_frag, transpose_B=True)
+                gemm(ag_shared, k_shared, dk_frag)
+                gemm(ag_shared, k_shared, dk_frag, transpose_A=True)
+                wait(5)                                                       # dQ
                 for i, j in T.Parallel(C, K):
                     if i < rows:
                         dq[gv, t0 + i, hk, j] = dq_frag[i, j]
-                T.wait_wgmma(0)                                                       # dK
+                wait(0)                                                       # dK
                 for i, j in T.Parallel(C, K):
                     if i < rows:
                         dk[gv, t0 + i, hk, j] = dk_frag[i, j]

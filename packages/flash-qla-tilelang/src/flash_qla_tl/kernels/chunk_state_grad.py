@@ -25,7 +25,7 @@ fixed by ``T.ws`` and meeting only on per-slot mbarriers (the structure of
 
 The first chunk's dS0 is dh0. Every other gradient is per chunk given S0 (from the
 forward kernel) and dS1 (from here): ``chunk_input_grads`` computes them chunk-parallel.
-Slots and barriers as ``chunk_state_output`` (``SLOTS``, ``AUX_BARRIER``); TileLang's
+Slots and barriers as ``chunk_state_output`` (``arch.slots``, ``AUX_BARRIER``); TileLang's
 automatic synchronisation is off: every barrier is written out. ~2.7 us per chunk step
 on the H200 (docs/perf-notes.md).
 """
@@ -33,22 +33,28 @@ on the H200 (docs/perf-notes.md).
 import tilelang
 import tilelang.language as T
 
-from .chunk_state_output import AUX_BARRIER, ROWS, SLOTS, STATE_BARRIER
-from .tile_ops import LOG2E, fetch_gates, search_walk_end, store_staged, store_transposed
-from .traits import CHUNK, PASS_CONFIGS, TARGET
+from ..arch import Arch
+from .builder import arch_kernel
+from .chunk_state_output import AUX_BARRIER, ROWS, STATE_BARRIER, ws_budgets
+from .tile_ops import (
+    LOG2E,
+    fetch_gates,
+    mma,
+    mma_wait,
+    search_walk_end,
+    store_staged,
+    store_transposed,
+)
+from .traits import CHUNK
 
-#: setmaxnreg budgets (same launch allocation as ``chunk_state_output``: 256 x STATE_REGS +
-#: 128 x AUX_REGS <= 384 x 168). ptxas, sm_90a: at the forward's 208 / 88 the aux
-#: warpgroup spilled 20-40 bytes; at 192 / 120 nothing spills and no WGMMA is serialised.
-STATE_REGS, AUX_REGS = 192, 120
-assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
 
-
-@tilelang.jit(target=TARGET, pass_configs={
-    **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
-def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bool = False,
-                           ds1_in_dtype: bool = False, boundary: bool = False):
-    """Build the sweep for q/k/v dtype ``dtype``, K = V = 128.
+@arch_kernel(pass_configs={tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool,
+                           warmup: bool = False, ds1_in_dtype: bool = False,
+                           boundary: bool = False):
+    """Build the sweep for ``arch``, q/k/v dtype ``dtype``, K = V = 128 (the arch's GEMMs,
+    slots and budgets as ``chunk_fwd_ws_kernel``; SM90's budgets are 192 / 120: at the
+    forward's 208 / 88 the aux warpgroup spilled 20-40 bytes on sm_90a).
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences):
         q, k            [Tt, Hk, K]     dtype
@@ -81,6 +87,13 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
     C = CHUNK
     assert K == V == 2 * C
     assert warmup or not boundary
+    SLOTS = arch.slots
+    assert SLOTS >= 2
+    budget = ws_budgets(arch, "chunk_bwd_dh_ws")
+    set_regs = budget is not None
+    STATE_REGS, AUX_REGS = budget or (0, 0)
+    gemm = mma(arch)                 # the dS chain's products
+    wait = mma_wait(arch)
     Tt, Hk, Hv, N, N0, N1, NT, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW")
     f32 = "float32"
     ds1_dtype = dtype if ds1_in_dtype else f32
@@ -172,7 +185,8 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                     ds1_s[i, j] = T.cast(0, dtype)
                 T.sync_threads()
             with T.ws(2):                                     # aux
-                T.dec_max_nreg(AUX_REGS)
+                if set_regs:
+                    T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
                     load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s,
                                bos + (chunks - 1) * C, hk, h, 0)
@@ -224,7 +238,8 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                     T.sync_threads(AUX_BARRIER, 128)      # gam_s, beta_s read by all
 
             with T.ws(0, 1):                                  # state
-                T.inc_max_nreg(STATE_REGS)
+                if set_regs:
+                    T.inc_max_nreg(STATE_REGS)
                 if has_dht and warmup:                    # the walk's end state
                     if bos + seq_len == seq_end[n]:       # the sequence's own end: dht
                         src = T.alloc_var("int32", init=seq_index[n])
@@ -254,20 +269,20 @@ def chunk_bwd_dh_ws_kernel(dtype: str, K: int, V: int, has_dht: bool, warmup: bo
                     elif stage:
                         store_staged(dS1, ds1_s, dst_b, first_chunk + c, h, STATE_BARRIER, 256)
                     T.barrier_wait(full[ss], (r // SLOTS) % 2)
-                    T.wgmma_gemm(dst_b, k_s[ss, :, :], du, transpose_B=True,
+                    gemm(dst_b, k_s[ss, :, :], du, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # dS1^T K^T
-                    T.wgmma_gemm(do_s[ss, :, :], p_s[ss, :, :], dup, transpose_A=True,
+                    gemm(do_s[ss, :, :], p_s[ss, :, :], dup, transpose_A=True,
                                  clear_accum=True, policy=ROWS)                   # dO^T Ps
                     for i, j in T.Parallel(V, K):
                         dst[i, j] = dst[i, j] * eg_s[ss, C - 1]
-                    T.wgmma_gemm(do_s[ss, :, :], q_s[ss, :, :], dst, transpose_A=True,
+                    gemm(do_s[ss, :, :], q_s[ss, :, :], dst, transpose_A=True,
                                  policy=ROWS)                                     # + dO^T Qe
-                    T.wait_wgmma(1)
+                    wait(1)
                     for i, t in T.Parallel(V, C):
                         du_b[i, t] = du[i, t] * ed_s[ss, t] + dup[i, t]          # dU^T
-                    T.wgmma_gemm(du_b, ag_s[ss, :, :], du, clear_accum=True,
+                    gemm(du_b, ag_s[ss, :, :], du, clear_accum=True,
                                  policy=ROWS)                                     # dX^T
-                    T.wait_wgmma(0)
+                    wait(0)
                     for i, t in T.Parallel(V, C):
                         du_b[i, t] = -eg_s[ss, t] * du[i, t]                      # -(E dX)^T
                     T.gemm(du_b, k_s[ss, :, :], dst, policy=ROWS)                 # + .. K

@@ -45,21 +45,28 @@ the whole state on the H200 (docs/perf-notes.md v5).
 import tilelang
 import tilelang.language as T
 
-from .tile_ops import LOG2E, fetch_gates, store_staged, store_transposed
-from .traits import CHUNK, PASS_CONFIGS, TARGET, WALK_UNROLL
+from ..arch import Arch
+from .builder import arch_kernel
+from .tile_ops import LOG2E, fetch_gates, mma, mma_wait, store_staged, store_transposed
+from .traits import CHUNK, WALK_UNROLL
 
 ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
-#: Shared-memory slots: the state works on chunk c - 1 while the aux warpgroup prepares
-#: chunk c and chunk c + 1's tiles are in flight.
-SLOTS = 3
-#: setmaxnreg budgets. They move registers within the CTA's launch allocation (384
-#: threads x 168, ptxas's bound for 384 threads), so 256 x STATE_REGS + 128 x AUX_REGS
-#: must not exceed 64,512: an increase that the decreases cannot cover blocks forever
-#: (208 / 96 asks for 1,024 registers more than there are, and hangs). At 168
-#: the state warpgroups' WGMMAs were serialised by ptxas (C7512, "insufficient register
-#: resources"): each 16-deep step waited for the previous one.
-STATE_REGS, AUX_REGS = 208, 88
-assert 256 * STATE_REGS + 128 * AUX_REGS <= 384 * 168
+
+
+def ws_budgets(arch: Arch, kernel: str) -> tuple[int, int] | None:
+    """``arch``'s setmaxnreg budgets (state, aux) of a three-warpgroup sweep (this kernel,
+    ``chunk_state_grad``), or None (no setmaxnreg). They move registers within the CTA's
+    launch allocation (384 threads x 168, ptxas's bound for 384 threads), so 256 x state
+    + 128 x aux must not exceed 64,512: an increase that the decreases cannot cover
+    blocks forever (208 / 96 asks for 1,024 registers more than there are, and hangs).
+    At 168 the state warpgroups' WGMMAs were serialised by ptxas (C7512, "insufficient
+    register resources"): each 16-deep step waited for the previous one."""
+    budget = arch.budget(kernel)
+    if budget is not None:
+        state, aux = budget
+        assert 256 * state + 128 * aux <= 384 * 168, (kernel, budget)
+    return budget
+
 #: Named barriers (0 is __syncthreads'): the aux warpgroup's, and the two state
 #: warpgroups' around the staged h store. TileLang's cross-warp reductions
 #: (``T.reduce_*``, ``tl::AllReduce``) also use ids 1 and 2: these kernels have no
@@ -68,12 +75,17 @@ AUX_BARRIER, STATE_BARRIER = 1, 2
 
 
 # Every synchronisation is written out (see the module docstring).
-@tilelang.jit(target=TARGET, pass_configs={
-    **PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
-def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, store_h: bool,
-                        warmup: bool = False, h_in_dtype: bool = False,
+@arch_kernel(pass_configs={tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_state: bool,
+                        store_h: bool, warmup: bool = False, h_in_dtype: bool = False,
                         states_only: bool = False):
-    """Build the forward for q/k/v dtype ``dtype``, K = V = 128.
+    """Build the forward for ``arch``, q/k/v dtype ``dtype``, K = V = 128.
+
+    ``arch`` gives the chain's GEMMs (WGMMA, or mma.sync through ``T.gemm``: the same
+    register-A chain), the ring of ``arch.slots`` shared-memory slots (the state works
+    on chunk c - 1 while the aux warpgroup prepares chunk c and chunk c + 1's tiles are
+    in flight; at least 2: the aux loads chunk c + 1 before it hands chunk c over) and
+    the roles' setmaxnreg budgets (:func:`ws_budgets`).
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences; state layouts
     ``[.., K, V]``, transposed on load and store):
@@ -116,6 +128,13 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
     (``o`` is not touched): no q tiles, no Q K^T or P on the aux warpgroup, and the
     state chain is three WGMMAs per chunk ((K S0)^T, U^T, (U^T D) K) instead of five."""
     C = CHUNK
+    SLOTS = arch.slots
+    assert SLOTS >= 2
+    budget = ws_budgets(arch, "chunk_fwd_ws")
+    set_regs = budget is not None
+    STATE_REGS, AUX_REGS = budget or (0, 0)
+    gemm = mma(arch)                 # the state chain's products
+    wait = mma_wait(arch)
     # N0: initial_state's rows (sequences; with ``warmup`` N counts segments)
     Tt, Hk, Hv, N, N0, N1, NTh, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW")
     f32 = "float32"
@@ -238,7 +257,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     h_s[i, j] = T.cast(0, dtype)
                 T.sync_threads()
             with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
-                T.dec_max_nreg(AUX_REGS)
+                if set_regs:
+                    T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
                     load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, bos, hk, h,
                                0)
@@ -296,7 +316,8 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     T.sync_threads(AUX_BARRIER, 128)      # gam_s, beta_s read by all
 
             with T.ws(0, 1):                                  # state: chunk c from its slot
-                T.inc_max_nreg(STATE_REGS)
+                if set_regs:
+                    T.inc_max_nreg(STATE_REGS)
                 if has_initial_state and not warmup:
                     for i, j in T.Parallel(V, K):
                         st[i, j] = initial_state[n, h, j, i]
@@ -331,17 +352,17 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                     elif stage_h:
                         store_staged(h_out, h_s, st_b, first_chunk + c, h, STATE_BARRIER, 256)
                     T.barrier_wait(full[ss], (c // SLOTS) % 2)
-                    T.wgmma_gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
+                    gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # (K S0)^T
                     if not states_only:
-                        T.wgmma_gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
+                        gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
                                      clear_accum=True, policy=ROWS)               # (Q S0)^T
-                    T.wait_wgmma(0 if states_only else 1)
+                    wait(0 if states_only else 1)
                     for i, t in T.Parallel(V, C):
                         r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
-                    T.wgmma_gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
+                    gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # U^T
-                    T.wait_wgmma(0)
+                    wait(0)
                     if states_only:
                         for i, t in T.Parallel(V, C):
                             du_b[i, t] = ks[i, t] * ed_s[ss, t]
@@ -350,7 +371,7 @@ def chunk_fwd_ws_kernel(dtype: str, K: int, V: int, has_initial_state: bool, sto
                             r_b[i, t] = ks[i, t]
                             du_b[i, t] = ks[i, t] * ed_s[ss, t]
                             ot[i, t] = ot[i, t] * eg_s[ss, t]
-                        T.wgmma_gemm(r_b, p_s[ss, :, :], ot, transpose_B=True,
+                        gemm(r_b, p_s[ss, :, :], ot, transpose_B=True,
                                      policy=ROWS)                                 # + U^T P^T
                     for i, j in T.Parallel(V, K):
                         st[i, j] = st[i, j] * eg_s[ss, C - 1]

@@ -5,22 +5,23 @@ Under GVA (Hv = G Hk) the gradient kernels write dq, dk per value head, group-ma
 G of each q/k head in one pass, deterministic, accumulated in fp32.
 """
 
-import tilelang
 import tilelang.language as T
 
-from .traits import PASS_CONFIGS, TARGET
+from ..arch import Arch
+from .builder import arch_kernel
 
 #: Rows of ``[Tt * Hk, K]`` per CTA of :func:`group_sum_kernel` (128 threads, 32 elements
 #: each: four 16-byte loads per value head of the group).
 GROUP_SUM_ROWS = 32
 
 
-@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def group_sum_kernel(dtype: str, K: int):
-    """Build the GVA sum of the per-value-head dq / dk: ``out[m, :] = sum_g x[g, m, :]``
-    over the ``G`` value heads of each q/k head (rows m = token * Hk + q/k head), read
-    once and accumulated in fp32, written once in ``dtype``: one pass at the DRAM rate
-    (torch's reduction over this outer dimension ran at ~1.5 TB/s, docs/perf-notes.md v18).
+@arch_kernel()
+def group_sum_kernel(arch: Arch, dtype: str, K: int):
+    """Build (for any arch: no MMA) the GVA sum of the per-value-head dq / dk:
+    ``out[m, :] = sum_g x[g, m, :]`` over the ``G`` value heads of each q/k head (rows
+    m = token * Hk + q/k head), read once and accumulated in fp32, written once in
+    ``dtype``: one pass at the DRAM rate (torch's reduction over this outer dimension
+    ran at ~1.5 TB/s, docs/perf-notes.md v18).
 
     Kernel arguments: x ``[G, M, K]`` dtype (the gradient kernels' group-major
     dq or dk, M = Tt * Hk); out ``[M, K]`` dtype."""

@@ -13,19 +13,20 @@ The start state is read from ``h0[state_idx[n]]`` and the final state written to
 slots are updated in place, with no gather or scatter pass around the call.
 """
 
-import tilelang
 import tilelang.language as T
 
-from .traits import PASS_CONFIGS, TARGET
+from ..arch import Arch
+from .builder import arch_kernel
 
 #: State columns per CTA: ``K x BV`` fp32 in registers (32 per thread at K = 128).
 STEP_BLOCK_V = 32
 STEP_THREADS = 128
 
 
-@tilelang.jit(target=TARGET, pass_configs=PASS_CONFIGS)
-def recurrent_step_kernel(dtype: str, K: int, V: int, has_h0: bool):
-    """Build the token-by-token recurrence over packed sequences.
+@arch_kernel()
+def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
+    """Build the token-by-token recurrence over packed sequences (no MMA: the same code
+    on every arch but for its target).
 
     Kernel arguments: q, k ``[Tt, Hk, K]`` dtype; v ``[Tt, Hv, V]`` dtype; g, beta
     ``[Tt, Hv]`` fp32 (g the per-token natural-log decay); cu_seqlens ``[N + 1]`` int32;

@@ -9,6 +9,7 @@
 - ``store_transposed``: a [K, V] state (or state gradient) held transposed in registers
   to its row of a ``[rows, H, K, V]`` tensor (the warp-specialised sweeps).
 - ``store_staged``: the same in q's dtype through a shared [K, V] tile and one TMA store.
+- ``mma`` / ``mma_wait``: the GEMM of a chain step and its wait, by the arch's flavour.
 """
 
 import math
@@ -19,6 +20,25 @@ from .traits import CHUNK, WALK_UNROLL
 
 #: exp(x) = exp2(x * LOG2E): exponents are evaluated as exp2 of log2-scaled gates.
 LOG2E = math.log2(math.e)
+
+
+def mma(arch):
+    """The GEMM of the kernels' chains on ``arch`` (same arguments as ``T.gemm``):
+    ``T.wgmma_gemm`` on WGMMA (asynchronous: results are read after :func:`mma_wait`),
+    else ``T.gemm``, which lowers to mma.sync on every Blackwell target (and on
+    ``sm_90a`` under ``tl.disable_wgmma``) and is complete when it returns: what
+    overlapped two WGMMAs becomes instruction-level parallelism within a warp."""
+    return T.wgmma_gemm if arch.mma == "wgmma" else T.gemm
+
+
+def _complete(pending):
+    """``mma_wait`` without WGMMA: every ``T.gemm`` has completed already."""
+
+
+def mma_wait(arch):
+    """``wait(pending)``: until at most ``pending`` of the :func:`mma` GEMMs issued are
+    in flight (``T.wait_wgmma``); nothing to wait for on mma.sync."""
+    return T.wait_wgmma if arch.mma == "wgmma" else _complete
 
 
 @T.macro
