@@ -91,15 +91,21 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", *(session.posargs or ["."]))
 
 
-def _fill_kernel_cache(session: nox.Session) -> None:
+def _fill_kernel_cache(session: nox.Session, package: str) -> None:
+    """Compile every kernel variant of an arch package's arches into its kernel_cache/."""
+    name = package.removeprefix("flash-qla-")
     if shutil.which("nvcc") is None:
-        session.warn("nvcc not found: the sm90 wheel ships no precompiled kernels")
+        session.warn(f"nvcc not found: the {name} wheel ships no precompiled kernels")
         return
     session.install(CPU_TORCH)
     session.install("-e", "packages/flash-qla-core", "-e", "packages/flash-qla-tilelang",
-                    "-e", "packages/flash-qla-sm90")
-    cache = ROOT / "packages/flash-qla-sm90/src/flash_qla_sm90/kernel_cache"
-    session.run("python", "-m", "flash_qla_sm90.precompile", str(cache))
+                    "-e", f"packages/{package}")
+    cache = ROOT / f"packages/{package}/src/flash_qla_{name}/kernel_cache"
+    session.run("python", "-m", f"flash_qla_{name}.precompile", str(cache))
+
+
+#: The packages whose wheels ship precompiled kernels (nox -s build).
+ARCH_PACKAGES = ("flash-qla-sm90", "flash-qla-sm100", "flash-qla-sm120")
 
 
 @nox.session
@@ -107,11 +113,12 @@ def _fill_kernel_cache(session: nox.Session) -> None:
 def build(session: nox.Session, package: str) -> None:
     """Wheel and sdist of one package into dist/ (the wheel is built from the sdist).
 
-    For flash-qla-sm90 every kernel variant is compiled first (nvcc + TileLang, no GPU)
-    into the package's ``kernel_cache/``, so the wheel serves its first call without JIT.
+    For an arch package every kernel variant of its arches is compiled first (nvcc +
+    TileLang, no GPU) into the package's ``kernel_cache/``, so the wheel serves its
+    first call without JIT.
     """
     session.install("build")
-    if package == "flash-qla-sm90":
-        _fill_kernel_cache(session)
+    if package in ARCH_PACKAGES:
+        _fill_kernel_cache(session, package)
     session.run("python", "-m", "build", "--outdir", str(ROOT / "dist"),
                 str(ROOT / "packages" / package))

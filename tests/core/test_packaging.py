@@ -28,7 +28,6 @@ KERNEL_PACKAGES = {
     "sm100": ("flash-qla-sm100", ((10, 0), (10, 3))),
     "sm120": ("flash-qla-sm120", ((12, 0), (12, 1))),
 }
-NO_KERNELS_YET = ["sm100", "sm120"]
 
 
 def require(distribution: str) -> str:
@@ -111,14 +110,18 @@ def test_kernel_package_registers_its_backend(name):
     assert spec.dtypes == ("bfloat16", "float16")
 
 
-@pytest.mark.parametrize("name", NO_KERNELS_YET)
-def test_package_without_kernels_says_so(name):
-    distribution, _ = KERNEL_PACKAGES[name]
-    version = require(distribution)
+@pytest.mark.parametrize("name", ["sm100", "sm120"])
+def test_blackwell_packages_serve_their_arches(name):
+    """The Blackwell packages' capabilities are their arches' (one per compute
+    capability, each for its own target), and their notes say what they serve."""
+    distribution, capabilities = KERNEL_PACKAGES[name]
+    require(distribution)
+    arch = importlib.import_module(f"flash_qla_{name}.arch")
     spec = dispatch.discover()[0][name]
-    assert spec.notes.startswith("no kernels yet")
-    with pytest.raises(NotImplementedError, match=f"{distribution} {version} ships no kernels"):
-        spec.loader()
+    assert tuple(sorted(arch.BY_CAPABILITY)) == capabilities == spec.capabilities
+    assert [a.target for a in arch.ARCHES] == [f"sm_{m}{n}a" for m, n in capabilities]
+    assert "wgmma" not in {a.mma for a in arch.ARCHES}
+    assert all(a.target in spec.notes for a in arch.ARCHES), spec.notes
 
 
 def test_sm90_spec_matches_its_kernel_traits():

@@ -1,10 +1,15 @@
-"""FlashQLA backend for Blackwell RTX / workstation GPUs (SM120, SM121): no kernels yet.
+"""FlashQLA backend for Blackwell RTX / workstation GPUs (SM120, SM121): decode only, so far.
 
-Registered under the ``flash_qla.backends`` entry point ``sm120`` so that the core can
-say, on such a GPU, that this package is installed but ships no kernels (its loader
-raises :class:`NotImplementedError`, which the dispatch reports in its error and
-``python -m flash_qla info`` shows). When kernels land, this file takes the form of
-``flash_qla_sm90/__init__.py`` (loader importing ``flash_qla_sm120.kernels.load``).
+This module is what the ``flash_qla.backends`` entry point ``sm120`` points at; importing it
+imports neither TileLang nor the kernels. The kernels are ``flash_qla_tl``'s, built for
+``arch.SM120`` / ``arch.SM121``: only the token-by-token decode step
+(``flash_qla.recurrent``) fits the 99 KB of shared memory per block so far; the chunked
+prefill (forward, backward) raises :class:`NotImplementedError` naming the GPU and the
+alternative (FLA) until the sub-chunk-32 kernels exist (docs/blackwell-plan.md, step 6).
+
+- ``arch``: the arches, by compute capability;
+- ``precompile``: the shipped kernel cache (``kernel_cache/``) and the command that
+  fills it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from flash_qla.backend import BackendSpec
 
+from .arch import BY_CAPABILITY
+from .precompile import SHIPPED
+
 __all__ = ["BACKEND", "KERNEL_API_VERSION", "__version__"]
 
 try:
@@ -20,16 +28,21 @@ try:
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
-#: The kernel API this package is written for (a literal: see flash_qla_sm90).
+#: The kernel API these kernels implement (a literal: see flash_qla_sm90).
 KERNEL_API_VERSION = 1
 
 
 def _load():
-    raise NotImplementedError(
-        f"flash-qla-sm120 {__version__} ships no kernels yet; on this GPU run the PyTorch "
-        f"reference with FLASH_QLA_BACKEND=torch (slow), or upgrade flash-qla-sm120 once a "
-        f"release with kernels is out"
-    )
+    # imported here, not at the top: ``import flash_qla_sm120`` must not import TileLang
+    import torch
+
+    from flash_qla_tl.backend import load
+
+    capability = tuple(torch.cuda.get_device_capability())
+    if capability not in BY_CAPABILITY:
+        raise RuntimeError(f"flash-qla-sm120 serves compute capability "
+                           f"{sorted(BY_CAPABILITY)}, not {capability}")
+    return load(BY_CAPABILITY[capability], SHIPPED)
 
 
 BACKEND = BackendSpec(
@@ -41,5 +54,5 @@ BACKEND = BackendSpec(
     head_dims=((128, 128),),
     dtypes=("bfloat16", "float16"),
     loader=_load,
-    notes="no kernels yet (planned: TileLang, sm_120a)",
+    notes="TileLang 0.1.15 decode kernels (sm_120a / sm_121a); chunked prefill not yet: use FLA",
 )
