@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One H200 device call (~9 min of the 10-minute limit) proving issue 33's portable
+# Blackwell kernels on Hopper: the sm90 loader serves proof(SM100) / proof(SM120) (the
+# same kernels compiled for sm_90a with WGMMA off, flash_qla_sm90.arch) under
+# FLASH_QLA_PROOF_ARCH. Stages (STAGES="..."; each skipped once the budget runs low):
+#   compile  the SM90 and proof kernels into the writable cache, 14 processes
+#            (python -m flash_qla_sm90.precompile --arch sm90,proof-sm100,proof-sm120)
+#   sm100    FLASH_QLA_PROOF_ARCH=sm100: the GPU tests of the plan's steps 2-5 (forward,
+#            backward, fused and two-kernel, drop-in, compile API, decode), three groups
+#            side by side on the one GPU (TEST_GROUPS overrides: ";"-separated)
+#   sm120    FLASH_QLA_PROOF_ARCH=sm120: the decode tests (SM120 builds decode only)
+#   bench    bench_gated_delta_rule.py --quick (ours only, fwd and bwd) for SM90 and for
+#            proof(SM100), in one call: a table of the ratios (same GPU, same run)
+#   cache    the cache as $OUT/tilelang-cache.tar.xz (carry it next time)
+# Results: $OUT/results.tar.xz (logs, bench JSON); the short tables are printed last.
+# Usage on the H200, repository root, carry [".offline-gpu"]:
+#   bash tools/h200_portable.sh
+set -uo pipefail
+source .offline-gpu/activate.sh .offline-gpu
+export TILELANG_PRINT_ON_COMPILATION=0
+OUT=${OUT:-/tmp/out}; R=$(mktemp -d); mkdir -p "$OUT"
+STAGES=${STAGES:-"compile sm100 sm120 bench cache"}
+BUDGET=${SESSION_BUDGET:-570}
+has() { [[ " $STAGES " == *" $1 "* ]] && (( BUDGET - SECONDS > 30 )); }
+cap() { local left=$(( BUDGET - SECONDS - 20 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
+CACHE=/tmp/tilelang-cache; mkdir -p "$CACHE"
+[ -d .offline-gpu/tilelang-cache ] && cp -r .offline-gpu/tilelang-cache/. "$CACHE"/
+export TILELANG_CACHE_DIR=$CACHE
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+declare -A STATUS
+if has compile; then
+  start=$SECONDS
+  timeout "$(cap 240)" python3 -m flash_qla_sm90.precompile "$CACHE" --jobs 14 \
+    --arch sm90,proof-sm100,proof-sm120 > "$R/compile.txt" 2>&1
+  STATUS[compile]="rc=$? $((SECONDS - start)) s: $(tail -1 "$R/compile.txt")"
+  echo "compile: ${STATUS[compile]}"
+fi
+# the plan's H200 checks (docs/blackwell-plan.md section 3, steps 2-5), in three groups
+T=tests/sm90
+SM100_GROUPS=${TEST_GROUPS:-"$T/test_forward_gpu.py tests/core/test_recurrent.py;$T/test_backward_gpu.py $T/test_drop_in_gpu.py;$T/test_bwd_fused_gpu.py $T/test_compile_api_gpu.py"}
+if has sm100; then
+  start=$SECONDS
+  IFS=';' read -ra groups <<< "$SM100_GROUPS"
+  i=0
+  for g in "${groups[@]}"; do
+    FLASH_QLA_PROOF_ARCH=sm100 timeout "$(cap 330)" python3 -m pytest -q -p no:cacheprovider \
+      -rfE --durations=3 -m gpu $g > "$R/sm100-tests-$i.txt" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  STATUS[sm100]="$((SECONDS - start)) s:"
+  for f in "$R"/sm100-tests-*.txt; do STATUS[sm100]+=" [$(tail -1 "$f")]"; done
+  echo "sm100 proof tests: ${STATUS[sm100]}"
+fi
+if has sm120; then
+  start=$SECONDS
+  FLASH_QLA_PROOF_ARCH=sm120 timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider \
+    -rfE -m gpu tests/core/test_recurrent.py > "$R/sm120-tests.txt" 2>&1
+  STATUS[sm120]="$((SECONDS - start)) s: $(tail -1 "$R/sm120-tests.txt")"
+  echo "sm120 proof tests (decode): ${STATUS[sm120]}"
+fi
+if has bench; then
+  for arch in sm90 sm100; do
+    proof=""; [[ $arch == sm100 ]] && proof=sm100
+    FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap 150)" python3 benchmark/bench_gated_delta_rule.py \
+      --quick --mode both --peers none --out "$R/bench" --tag "H200-$arch" \
+      --deadline-s "$(cap 130)" > "$R/bench-$arch.txt" 2>&1
+    echo "bench $arch: rc=$?"
+  done
+fi
+if has cache; then
+  tar cJf "$OUT/tilelang-cache.tar.xz" -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
+fi
+tar cJf "$OUT/results.tar.xz" -C "$R" .
+for f in "$R"/sm100-tests-*.txt "$R"/sm120-tests.txt; do
+  [ -f "$f" ] && grep -E "^FAILED|^ERROR" "$f" | head -8
+done
+# last: the short tables
+python3 - "$R/bench" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+def rows(tag):
+    path = os.path.join(d, f"{tag}.json")
+    if not os.path.exists(path):
+        return {}
+    return {r["shape"]: r for r in json.load(open(path))["results"]
+            if r.get("impl") == "ours" and r.get("status") == "ok"}
+base, port = rows("H200-sm90"), rows("H200-sm100")
+if base or port:
+    print(f"{'shape':<28}{'SM90 graph ms':>15}{'proof-sm100 ms':>16}{'ratio':>8}")
+    for shape in sorted(set(base) | set(port)):
+        a, b = base.get(shape, {}).get("graph_ms"), port.get(shape, {}).get("graph_ms")
+        ratio = f"{b / a:.2f}x" if a and b else "-"
+        fmt = lambda x: f"{x:.3f}" if x else "-"
+        print(f"{shape:<28}{fmt(a):>15}{fmt(b):>16}{ratio:>8}")
+PY
+for stage in compile sm100 sm120; do [ -n "${STATUS[$stage]:-}" ] && echo "$stage: ${STATUS[$stage]}"; done
