@@ -28,7 +28,7 @@ fi
 CACHE=${TILELANG_BUNDLE_CACHE:-$HOME/.cache/offline-gpu/tilelang-cache}
 rm -rf .offline-gpu/tilelang-cache
 TILELANG_PRINT_ON_COMPILATION=0 \
-  PYTHONPATH=packages/flash-qla-tilelang/src:packages/flash-qla-sm90/src:packages/flash-qla-core/src \
+  PYTHONPATH=packages/flash-qla-tilelang/src:packages/flash-qla-sm90/src:packages/flash-qla-sm100/src:packages/flash-qla-sm120/src:packages/flash-qla-core/src \
   python3 -m flash_qla_sm90.precompile "$CACHE"
 # the peer FlashQLA 0.1.3 (unpacked by make-bundle with FLASHQLA_PEER=1): its kernels for
 # the benchmark grids, compiled here into the same cache (first time ~25 min, then cache
