@@ -350,8 +350,8 @@ BAD = {
                           ValueError, r"state_indices\[7\] must be a slot .*< P = 12.*got 12"),
     "slot-twice": (dict(state_indices=torch.tensor([0, 1, 2, 3, 4, 5, 6, 2])), ValueError,
                    "slot 2 at positions 2 and 7"),
-    "segment_len": (dict(segment_len=64), NotImplementedError, "segment_len / force_intra_cp"),
-    "force_intra_cp": (dict(force_intra_cp=True), NotImplementedError, "force_intra_cp"),
+    "segment_len": (dict(segment_len=100), ValueError, "segment_len: expected a positive "
+                    "multiple"),
     "cp_context": (dict(cp_context=object()), NotImplementedError, "cp_context"),
     "head_first": (dict(head_first=True), NotImplementedError, "head_first"),
     "output_final_state": (dict(output_final_state=1), TypeError,
@@ -377,9 +377,10 @@ def test_repeated_padding_slots_are_allowed():
                        before[[1, 3, 5, 8, 9, 10, 11]])
 
 
-def test_auto_split_never_runs_on_a_pool(monkeypatch):
-    """auto_cp plans no segment split for a pool call (its segments would race on the
-    slot): the backend's planner is not asked, its pool forward runs."""
+def test_auto_split_gathers_and_scatters(monkeypatch):
+    """A call ``auto_cp`` splits (the planner's answer) does not run the backend's pool
+    forward (its segments would race on the slot): the rows are gathered, the split
+    runs, the final states are scattered; same values as fp64."""
     from flash_qla import api
     from flash_qla.reference import TORCH_KERNELS
 
@@ -396,21 +397,114 @@ def test_auto_split_never_runs_on_a_pool(monkeypatch):
 
     kernels = Planning()
     monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *others: (None, kernels))
-    with torch.inference_mode():
-        flash_qla.chunk_gated_delta_rule(**_cpu_case(), auto_cp=True)
-    assert calls == ["fwd_pool"]
+    inputs, pool, idx, cu = make_batch(RAGGED, "cpu", torch.float32, 16,
+                                       pool_dtype=torch.float32, v_first=True)
+    o_ref, rows_ref = expected(inputs, pool, RAGGED, v_first=True)
+    o, _ = run_pool(inputs, pool, idx, cu, output_final_state=True, state_v_first=True,
+                    auto_cp=True, segment_shortcut_bound=0.0)
+    assert calls == ["plan"]
+    assert rel_l2(o, o_ref) < TOL[torch.float32]
+    errs = written_errors(pool, rows_ref, RAGGED, True)
+    assert max(errs.values()) < TOL[torch.float32], errs
 
 
-def test_backend_without_a_pool_forward_says_so(monkeypatch):
+@pytest.mark.parametrize("bound", [0.0, 2.0 ** -9], ids=["exact", "bounded"])
+@pytest.mark.parametrize("device, dtype, K", targets(*ALL))
+def test_explicit_split_on_a_pool(device, dtype, K, bound):
+    """segment_len=64 with a pool: the split (exact or bounded) from the gathered rows,
+    the final states scattered: fp64's values, unnamed and padding rows untouched."""
+    inputs, pool, idx, cu = make_batch(RAGGED, device, dtype, K, pool_dtype=torch.bfloat16,
+                                       v_first=False)
+    before = pool.clone()
+    o_ref, rows_ref = expected(inputs, pool, RAGGED, v_first=False)
+    o, _ = run_pool(inputs, pool, idx, cu, output_final_state=True, segment_len=64,
+                    segment_shortcut_bound=bound)
+    assert rel_l2(o, o_ref) < TOL[dtype]
+    errs = written_errors(pool, rows_ref, RAGGED, False)
+    assert max(errs.values()) < TOL[dtype] + ROUNDING[torch.bfloat16], errs
+    unnamed = sorted(set(range(RAGGED.pool_size)) - set(RAGGED.slots))
+    assert torch.equal(pool[unnamed], before[unnamed])
+
+
+@pytest.mark.gpu
+def test_long_sequence_split_by_the_planner_on_a_pool():
+    """One 8192-token sequence at 2/4 heads (the sm90 planner splits it) beside a short
+    one, on a pool: fp64's values through the split's gather / scatter."""
     from flash_qla import api
-    from flash_qla.backend import BackendSpec
+
+    batch = Batch(lens=(8192, 100), slots=(2, 0), pool_size=3, Hk=2, Hv=4)
+    inputs, pool, idx, cu = make_batch(batch, "cuda", torch.bfloat16, 128,
+                                       pool_dtype=torch.float32, v_first=True)
+    _, kernels = api._select_kernels(inputs["q"], inputs["v"], None)
+    assert api._auto_segment_len(kernels, inputs["q"], inputs["v"], cu, cu.cpu(),
+                                 True) is not None                # the planner splits it
+    before = pool.clone()
+    o_ref, rows_ref = expected(inputs, pool, batch, v_first=True)
+    o, _ = run_pool(inputs, pool, idx, cu, output_final_state=True, state_v_first=True)
+    assert rel_l2(o, o_ref) < TOL[torch.bfloat16]
+    errs = written_errors(pool, rows_ref, batch, True)
+    assert max(errs.values()) < TOL[torch.bfloat16], errs
+    assert torch.equal(pool[1], before[1])
+
+
+def test_backend_without_a_pool_forward_gathers_and_scatters(monkeypatch):
+    """A backend without ``fwd_pool`` runs its plain forward between a gather and a
+    scatter: the same pool afterwards as the torch backend's."""
+    from flash_qla import api
     from flash_qla.reference import TORCH_KERNELS
 
     class NoPool:
         fwd = TORCH_KERNELS.fwd
 
-    spec = BackendSpec("nopool", "x", "0", 1, (), (), (), loader=NoPool)
-    monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *others: (spec, NoPool()))
-    with torch.inference_mode(), pytest.raises(NotImplementedError,
-                                               match="'nopool' has no forward on a state pool"):
-        flash_qla.chunk_gated_delta_rule(**_cpu_case())
+    kwargs, reference = _cpu_case(), _cpu_case()
+    with torch.inference_mode():
+        o_ref, _ = flash_qla.chunk_gated_delta_rule(**reference)
+        monkeypatch.setattr(api, "_select_kernels",
+                            lambda q, v, backend, *others: (None, NoPool()))
+        o, final = flash_qla.chunk_gated_delta_rule(**kwargs)
+    assert final is kwargs["initial_state"]
+    assert torch.equal(o, o_ref) and torch.equal(final, reference["initial_state"])
+
+
+SCATTERS = {  # slots -> rows of the pool written (the others keep their values)
+    "permuted": ((3, 0, 2), {3: 0, 0: 1, 2: 2}),
+    "padding-rows": ((-1, 2, -1, 0), {2: 1, 0: 3}),
+    "padding-first": ((-1, -1, 1), {1: 2}),
+    "all-padding": ((-1, -1), {}),
+}
+
+
+@pytest.mark.parametrize("case", SCATTERS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scatter_writes_each_named_row_once(case, layout):
+    """``scatter_states`` (the split's and the torch backend's write, device ops only):
+    row ``s`` gets the final state of the sequence naming it, in the pool's dtype and
+    layout; rows no sequence names keep their values, whatever the padding rows."""
+    from flash_qla.state_pool import scatter_states
+
+    slots, written = SCATTERS[case]
+    v_first = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(7)
+    pool = torch.randn(5, 2, 4, 3, generator=gen).bfloat16()
+    pool = pool.transpose(-1, -2).contiguous() if v_first else pool
+    final = torch.randn(len(slots), 2, 4, 3, generator=gen)
+    expect = pool.clone()
+    for s, n in written.items():
+        expect[s] = (final[n].transpose(-1, -2) if v_first else final[n]).bfloat16()
+    scatter_states(pool, torch.tensor(slots), final, v_first=v_first)
+    assert torch.equal(pool, expect)
+
+
+def test_no_tokens_keep_every_row():
+    """A call without tokens (T = 0, run by the torch backend on any device): each
+    named row is written back as it was read, the pool bit for bit unchanged."""
+    kwargs = _cpu_case()
+    kwargs.update({n: kwargs[n].reshape(8, 16, *kwargs[n].shape[2:])[:, :0]
+                   for n in ("q", "k", "v", "g", "beta")})
+    kwargs["initial_state"] = kwargs["initial_state"].bfloat16()
+    del kwargs["cu_seqlens"]
+    before = kwargs["initial_state"].clone()
+    with torch.inference_mode():
+        o, final = flash_qla.chunk_gated_delta_rule(**kwargs)
+    assert o.shape == (8, 0, 4, 16) and final is kwargs["initial_state"]
+    assert torch.equal(final, before)

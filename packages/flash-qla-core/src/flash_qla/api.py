@@ -556,10 +556,10 @@ def chunk_gated_delta_rule(
             padding row: zero start, nothing read or written. FlashInfer 0.7.4's
             ``state_indices`` (:mod:`flash_qla.state_pool`). Inference only
             (NotImplementedError when autograd would record the call, with
-            ``segment_len`` / ``force_intra_cp`` / ``cp_context``, or inside
-            ``torch.compile``); ``auto_cp`` never splits such a call. On sm90 the forward
-            kernel reads and writes the rows (no gather or scatter pass, no host read of
-            the indices: CUDA-graph capturable). Slots must be distinct and below P:
+            ``cp_context``, or inside ``torch.compile``). On sm90 the forward kernel
+            reads and writes the rows (no gather or scatter pass); a call split into
+            segments gathers and scatters them; no host read of the indices either way
+            (CUDA-graph capturable). Slots must be distinct and below P:
             checked (ValueError) when the indices are on the host, else unchecked (a
             duplicated slot leaves its row undefined).
 
@@ -664,8 +664,6 @@ def _on_state_pool(*, q, k, v, g, beta, scale, initial_state, output_final_state
             "sequence; its state pool is the engine's, not the rank's); pass one of them")
     _reject_unsupported(head_first=head_first, auto_cp=auto_cp,
                         enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=None)
-    split = _resolve_segment_len(force_intra_cp, segment_len) is not None
-    _check_shortcut_bound(segment_shortcut_bound)
     validation.check_bool("save_chunk_states", save_chunk_states)
     return chunk_forward_on_pool(
         q, k, v, g, beta, scale=scale, pool=initial_state, state_indices=state_indices,
@@ -674,7 +672,8 @@ def _on_state_pool(*, q, k, v, g, beta, scale, initial_state, output_final_state
         cu_seqlens_cpu=cu_seqlens_cpu,
         v_first=_resolve_v_first(transpose_state_layout, state_v_first),
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        split_requested=split, backend=backend)
+        segment_len=_resolve_segment_len(force_intra_cp, segment_len), auto_cp=auto_cp,
+        shortcut_bound=_check_shortcut_bound(segment_shortcut_bound), backend=backend)
 
 
 def chunk_gated_delta_rule_fwd(

@@ -15,8 +15,10 @@ zeros, its o is computed, and no pool row is read or written. This is FlashInfer
 0.7.4's ``gdn_prefill`` meaning of ``state_indices`` (sequence i reads row
 ``state_indices[i]`` and its final state goes back to that row), with ``initial_state``
 as the pool and the pool as the final state returned. On the sm90 backend the forward
-kernel itself reads and writes the rows (no gather or scatter pass, nothing read on the
-host: a CUDA graph may capture the call); the ``torch`` backend gathers and scatters.
+kernel itself reads and writes the rows (no gather or scatter pass); a call split into
+segments (long sequences at few heads, :func:`chunk_forward_on_pool`) and the ``torch``
+backend gather and scatter. Nothing is read on the host for the slots: a CUDA graph may
+capture the call.
 
 Inference only: a call that autograd would record raises NotImplementedError (train on
 gathered states with :func:`flash_qla.chunk_gated_delta_rule` without ``state_indices``).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from flash_qla import api, validation
+from flash_qla.segments import uses_warmup
 
 __all__ = ["check_state_pool", "chunk_forward_on_pool", "gather_states", "scatter_states"]
 
@@ -105,13 +108,24 @@ def gather_states(pool: torch.Tensor, state_indices: torch.Tensor, *, v_first: b
 def scatter_states(pool: torch.Tensor, state_indices: torch.Tensor,
                    final_state: torch.Tensor, *, v_first: bool) -> None:
     """``pool[state_indices[n]] = final_state[n]`` (``[N, Hv, K, V]``, converted to the
-    pool's dtype and layout) for every non-negative slot. Reads the indices on the host
-    (a sync on a GPU): the ``torch`` backend's reference, not a kernel path."""
-    keep = state_indices.long() >= 0
-    rows = final_state[keep]
+    pool's dtype and layout) for every non-negative slot, by device ops only (no host
+    read: CUDA-graph capturable). One ``index_copy_`` writes N rows: a padding row
+    (negative slot) writes the row of the first sequence that has a slot, with that
+    sequence's value, so a row written twice gets one value; without any such sequence,
+    every write puts pool row 0 back as it was read."""
+    N = state_indices.numel()
+    if N == 0 or pool.shape[0] == 0:
+        return
+    idx = state_indices.long()
+    keep = idx >= 0                                                    # [N]
+    first = torch.argmax(keep.to(torch.int32))                         # 0 if none
+    src = torch.where(keep, torch.arange(N, device=idx.device), first)  # row copied
+    slots = idx[src].clamp(min=0)
+    rows = final_state[src]                                            # [N, Hv, K, V]
     if v_first:
         rows = rows.transpose(-1, -2)
-    pool[state_indices.long()[keep]] = rows.to(pool.dtype)
+    rows = torch.where(keep.any(), rows.to(pool.dtype), pool[slots])
+    pool.index_copy_(0, slots, rows)
 
 
 def pool_dtypes(q: torch.Tensor) -> tuple[torch.dtype, ...]:
@@ -125,20 +139,20 @@ def pool_dtypes(q: torch.Tensor) -> tuple[torch.dtype, ...]:
 def chunk_forward_on_pool(q, k, v, g, beta, *, scale, pool, state_indices,
                           output_final_state: bool, use_qk_l2norm_in_kernel: bool,
                           cu_seqlens, cu_seqlens_cpu, v_first: bool, use_gate_in_kernel: bool,
-                          A_log, dt_bias, split_requested: bool, backend):
+                          A_log, dt_bias, segment_len: int | None, auto_cp: bool | None,
+                          shortcut_bound: float, backend):
     """:func:`flash_qla.chunk_gated_delta_rule` with ``state_indices`` (its arguments,
-    already checked for kind where the caller's flags are concerned). Returns ``(o,
-    pool)`` with ``output_final_state``, else ``(o, None)`` and the pool only read.
+    the split's already resolved). Returns ``(o, pool)`` with ``output_final_state``,
+    else ``(o, None)`` and the pool only read.
 
-    The segment split is not used (``auto_cp`` plans none; an explicit ``segment_len`` /
-    ``force_intra_cp`` raises): its segments of one sequence run in separate CTAs, and
-    the first would read the slot while the last writes it, in no fixed order; and the
-    batches engines prefill on a pool (many sequences) fill the GPU without it."""
-    if split_requested:
-        raise NotImplementedError(
-            "segment_len / force_intra_cp with state_indices is not supported (the "
-            "segments of one sequence would read and write its pool slot concurrently); "
-            "pass state_indices=None with gathered states to split, or drop the split")
+    The backend's ``fwd_pool`` (sm90: the forward kernel reads and writes the rows)
+    runs every call that writes the pool and is not split. A split call (``segment_len``,
+    ``force_intra_cp``, or ``auto_cp``'s plan: long sequences at few heads) gathers the
+    rows, runs the split, and scatters the final states: its segments of one sequence
+    run in separate CTAs, in no fixed order, so a segment reading the slot could see the
+    last one's write; the two passes cost little beside such a call's work. Read-only
+    calls, and backends without ``fwd_pool``, gather too. Every path is device ops only:
+    nothing read on the host for the slots."""
     validation.check_bool("output_final_state", output_final_state)
     validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     validation.check_bool("use_gate_in_kernel", use_gate_in_kernel)
@@ -160,7 +174,10 @@ def chunk_forward_on_pool(q, k, v, g, beta, *, scale, pool, state_indices,
             "run under torch.inference_mode() / torch.no_grad(), or train with gathered "
             "states, chunk_gated_delta_rule(..., initial_state=pool[idx])")
     scale = api._resolve_scale(scale, q.shape[3])
-    spec, kernels = api._select_kernels(q, v, backend, g, beta, pool)
+    _, kernels = api._select_kernels(q, v, backend, g, beta, pool)
+    if segment_len is None and auto_cp is not False:
+        segment_len = api._auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
+                                            uses_warmup(kernels, shortcut_bound))
 
     if use_qk_l2norm_in_kernel:
         q, k = api.l2_normalize(q), api.l2_normalize(k)
@@ -168,16 +185,15 @@ def chunk_forward_on_pool(q, k, v, g, beta, *, scale, pool, state_indices,
         g = api.gate_from_params(g, A_log, dt_bias)
     q, k, v, g, beta = api._contiguous(q, k, v, g, beta)
     beta = api._kernel_beta(kernels, beta)
-    if not output_final_state:              # read only: the rows gathered, then unsplit
-        h0 = gather_states(pool, state_indices, v_first=v_first,
-                           dtype=validation.state_dtype(q))
-        o, _ = api._inference(q, k, v, g, beta, h0, scale, False, cu_seqlens,
-                              cu_seqlens_cpu, kernels, None, 0.0)
-        return o, None
     fwd_pool = getattr(kernels, "fwd_pool", None)
-    if fwd_pool is None:
-        raise NotImplementedError(f"backend {spec.name!r} has no forward on a state pool "
-                                  "(state_indices); use backend='torch' or gathered states")
-    o = fwd_pool(q, k, v, g, beta, scale=scale, pool=pool, state_indices=state_indices,
-                 v_first=v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    if output_final_state and segment_len is None and fwd_pool is not None:
+        o = fwd_pool(q, k, v, g, beta, scale=scale, pool=pool, state_indices=state_indices,
+                     v_first=v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return o, pool
+    h0 = gather_states(pool, state_indices, v_first=v_first, dtype=validation.state_dtype(q))
+    o, final = api._inference(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens,
+                              cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
+    if not output_final_state:
+        return o, None
+    scatter_states(pool, state_indices, final, v_first=v_first)
     return o, pool
