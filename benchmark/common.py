@@ -801,6 +801,9 @@ class FLAServe(FLA):
     mode), the final states scattered back, all in the timed call (FLA has no pool
     indices in its chunked prefill); its [N, Hv, K, V] state layout."""
 
+    def load(self, ctx):
+        return f"{super().load(ctx)} (gather / scatter)"
+
     def prepare(self, inp, ctx, requires_grad=False):
         a = super().prepare(inp, ctx, requires_grad=False)
         a["pool"], a["slots"] = serve_pool(inp, ctx.get("serve_pool_dtype", "float32"), False)
@@ -833,7 +836,7 @@ class FlashInferServe(FlashInfer):
 
         version = super().load(ctx)
         self.has_indices = "state_indices" in inspect.signature(self.fn).parameters
-        return version
+        return f"{version} ({'state_indices' if self.has_indices else 'gather / scatter'})"
 
     def prepare(self, inp, ctx, requires_grad=False):
         a = super().prepare(inp, ctx, requires_grad=False)
