@@ -50,9 +50,10 @@ def _names(dtype="bfloat16") -> list[tuple]:
 def test_variants_per_dtype():
     """Per dtype (K = V = 128): the prepare, the forward's seven variants x initial
     state, the sweep's three x dht, the per-chunk gradients, the GVA sum, the fused
-    reverse kernel x dht, the decode step x initial state: 27, none twice."""
+    reverse kernel x dht, the forward on a state pool (3 pool dtypes x 2 layouts), the
+    decode step x initial state: 33, none twice."""
     every = list(precompile.variants())
-    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 27
+    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 33
     for dtype in ("bfloat16", "float16"):
         assert sorted(_names(dtype)) == sorted(
             [("chunk_prepare_blocked_kernel", ())]
@@ -62,6 +63,8 @@ def test_variants_per_dtype():
                for flags in precompile.SWEEP_FLAGS]
             + [("chunk_bwd_intra_kernel", ()), ("group_sum_kernel", ())]
             + [("chunk_bwd_fused_kernel", (dht,)) for dht in (False, True)]
+            + [("chunk_fwd_ws_kernel", (True, False, False, False, False, pool, v_first))
+               for pool in ("float32", "bfloat16", "float16") for v_first in (False, True)]
             + [("recurrent_step_kernel", (h0,)) for h0 in (False, True)])
 
 

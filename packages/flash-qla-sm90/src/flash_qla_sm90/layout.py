@@ -25,6 +25,8 @@ from .kernels.traits import CHUNK
 
 #: torch dtype -> the dtype name the kernel builders take.
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: state-pool dtype -> its name (``chunk_fwd_ws_kernel``'s ``pool_dtype``).
+POOL_DTYPE_NAMES = {torch.float32: "float32", **DTYPE_NAMES}
 
 
 @dataclass(frozen=True)

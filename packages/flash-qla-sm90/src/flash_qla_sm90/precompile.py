@@ -61,6 +61,9 @@ FWD_FLAGS = (
 
 #: ``chunk_bwd_dh_ws_kernel``'s flags after has_dht, as ``backward.state_grads`` passes
 #: them: (warmup, ds1_in_dtype, boundary).
+#: State-pool dtypes of the prefill on a pool (``forward.pool_fwd``), both layouts each.
+POOL_DTYPES = ("float32", "bfloat16", "float16")
+
 SWEEP_FLAGS = (
     (False, True),                    # unsplit, dS1 in q's dtype
     (True, True),                     # bounded split, dS1 in q's dtype
@@ -70,7 +73,8 @@ SWEEP_FLAGS = (
 
 def variants():
     """Every (builder, static args) the backend launches, per dtype and head dims:
-    the prepare, the forward's variants (:data:`FWD_FLAGS`) x initial state, the sweep's
+    the prepare, the forward's variants (:data:`FWD_FLAGS`) x initial state, the forward
+    on a state pool (:data:`POOL_DTYPES` x both layouts), the sweep's
     (:data:`SWEEP_FLAGS`) x dht, the per-chunk gradient kernel, the GVA sum, and the
     fused reverse kernel x dht. ``tests/sm90/test_host_path.py`` checks that the host
     path launches nothing else."""
@@ -87,6 +91,10 @@ def variants():
             yield group_sum_kernel, (dtype, K)
             for has_dht in (False, True):
                 yield chunk_bwd_fused_kernel, (dtype, K, V, has_dht)
+            for pool_dtype in POOL_DTYPES:               # prefill on a state pool
+                for v_first in (False, True):
+                    yield chunk_fwd_ws_kernel, (dtype, K, V, True, False, False, False,
+                                                False, pool_dtype, v_first)
             for has_h0 in (False, True):                 # decode (flash_qla.recurrent)
                 yield recurrent_step_kernel, (dtype, K, V, has_h0)
 
