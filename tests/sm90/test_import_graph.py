@@ -110,7 +110,7 @@ def test_kernels_import_only_kernels():
 
 #: The package's layers, bottom up (``flash_qla_sm90/__init__.py`` lists them): a module
 #: imports only modules of layers below its own (``kernels`` modules: also each other).
-LAYERS = ("kernels", "layout", "plan", "launch", "forward", "backward", "recurrent",
+LAYERS = ("kernels", "layout", "plan", "kernel_index", "launch", "forward", "backward", "recurrent",
           "precompile", "backend")
 
 

@@ -43,7 +43,7 @@ def test_shipped_cache_sits_in_the_package():
 
 
 def _names(dtype="bfloat16") -> list[tuple]:
-    return [(builder.func.orig_func.__name__, args[3:]) for builder, args in
+    return [(builder.__name__, args[3:]) for builder, args in
             precompile.variants() if args[0] == dtype]
 
 

@@ -11,6 +11,8 @@ The package, by role (each module imports only those above it):
 - ``layout``: shared host helpers (chunk layout, packing, dtype names, chunk counts);
 - ``plan``: every per-call choice (state keeping, segment split, fused or two-kernel
   backward), returned with its reason;
+- ``kernel_index``: compiled kernels by builder and static arguments, loaded without
+  TileLang's front end (a fresh process's first call);
 - ``launch``: one launcher per compiled kernel configuration;
 - ``forward``, ``backward``: the orchestrators that launch the kernels;
 - ``recurrent``: the token-by-token decode step (``flash_qla.recurrent``);

@@ -23,10 +23,12 @@ import torch
 
 from . import plan
 from .forward import state_output
-from .kernels.chunk_grads_fused import chunk_bwd_fused_kernel
-from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
-from .kernels.chunk_state_grad import chunk_bwd_dh_ws_kernel
-from .kernels.group_sum import group_sum_kernel
+from .kernels import (
+    chunk_bwd_dh_ws_kernel,
+    chunk_bwd_fused_kernel,
+    chunk_bwd_intra_kernel,
+    group_sum_kernel,
+)
 from .launch import launcher
 from .layout import (
     DTYPE_NAMES,

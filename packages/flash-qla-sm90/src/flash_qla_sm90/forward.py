@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import plan
-from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-from .kernels.chunk_state_output import chunk_fwd_ws_kernel
+from .kernels import chunk_fwd_ws_kernel, chunk_prepare_blocked_kernel
 from .kernels.traits import CHUNK
 from .launch import launcher
 from .layout import (

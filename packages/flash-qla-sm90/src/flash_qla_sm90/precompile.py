@@ -6,7 +6,8 @@ machine load on the H200 without compiling. ``python -m flash_qla_sm90.precompil
 compiles every static variant the backend launches (:func:`variants`) into DIR; the
 package build copies that directory into ``flash_qla_sm90/kernel_cache/``; on first load
 it is copied into a writable cache directory (TileLang writes staging folders next to
-its entries).
+its entries). Every variant compiled is also entered in the kernel index
+(``flash_qla_sm90.kernel_index``), which a fresh process loads kernels by.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import os
 import shutil
 from pathlib import Path
 
-from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-from .kernels.chunk_grads_fused import chunk_bwd_fused_kernel
-from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
-from .kernels.chunk_state_grad import chunk_bwd_dh_ws_kernel
-from .kernels.chunk_state_output import chunk_fwd_ws_kernel
-from .kernels.group_sum import group_sum_kernel
-from .kernels.recurrent_step import recurrent_step_kernel
+from . import kernel_index
+from .kernels import (
+    chunk_bwd_dh_ws_kernel,
+    chunk_bwd_fused_kernel,
+    chunk_bwd_intra_kernel,
+    chunk_fwd_ws_kernel,
+    chunk_prepare_blocked_kernel,
+    group_sum_kernel,
+    recurrent_step_kernel,
+)
 from .kernels.traits import DTYPES, HEAD_DIMS
 
 SHIPPED = Path(__file__).resolve().parent / "kernel_cache"
@@ -106,7 +110,7 @@ def _compile_slice(cache_dir: str, jobs: int, index: int) -> int:
     count = 0
     for i, (builder, args) in enumerate(variants()):
         if i % jobs == index:
-            builder(*args)
+            kernel_index.record(builder.index_name, args, builder(*args))
             count += 1
     return count
 
