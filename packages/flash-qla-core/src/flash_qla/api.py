@@ -312,6 +312,8 @@ def _kernel_initial_state(state: torch.Tensor | None, q: torch.Tensor,
     if v_first:
         state = state.transpose(-1, -2)                               # [N,Hv,K,V] view
     dtype = validation.state_dtype(q)
+    if state.dtype == dtype and state.is_contiguous():      # no call: a no-op ``to``
+        return state                                        # still costs a dispatch
     return state.to(dtype, memory_format=torch.contiguous_format).contiguous()
 
 
@@ -394,7 +396,9 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             q, k, v, g_cumsum, beta, A, do, dht=dht, scale=ctx.scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu, **kept)
-        return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(ctx.beta_dtype), dh0,
+        dg = dg if dg.dtype == ctx.g_dtype else dg.to(ctx.g_dtype)
+        dbeta = dbeta if dbeta.dtype == ctx.beta_dtype else dbeta.to(ctx.beta_dtype)
+        return (dq, dk, dv, dg, dbeta, dh0,
                 None, None, None, None, None, None, None, None)
 
 
