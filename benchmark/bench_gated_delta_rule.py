@@ -120,6 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="forward grid, backward grid or both (default: both)",
     )
     sel.add_argument(
+        "--grid",
+        choices=["default", "serve"],
+        default="default",
+        help="default: the forward and backward grids below; serve: an engine's prefill "
+        "steps, packed batches of many short sequences ("
+        + ", ".join(C.SERVE_LAYOUTS) + ") at Hk/Hv "
+        + ", ".join(f"{a}/{b}" for a, b in C.SERVE_HEADS)
+        + ", forward only, in the engine's convention: inference mode, device "
+        "cu_seqlens, initial states read from and final states written into a state pool "
+        "by index (ours and FlashInfer 0.7 through state_indices, FLA by a gather and a "
+        "scatter around its call, both timed); peers fla, flashinfer; results tagged "
+        "-serve. With --device cpu: " + ", ".join(C.CPU_SERVE),
+    )
+    sel.add_argument(
+        "--serve-pool-dtype",
+        choices=C.SERVE_POOL_DTYPES,
+        default="float32",
+        help="dtype of the serving grid's state pool (default float32; bfloat16 as "
+        "engines that keep bf16 states)",
+    )
+    sel.add_argument(
         "--quick",
         action="store_true",
         help="a 5-configuration subset (" + ", ".join(C.QUICK) + "), meant to "
@@ -388,7 +409,8 @@ def flatten(shape: C.Shape, impl: str, res: dict, args) -> dict:
 
 def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, scratch: str):
     env = {"device": args.device, "capability": info.get("capability"),
-           "fla_version": info.get("versions", {}).get("fla", "")}
+           "fla_version": info.get("versions", {}).get("fla", ""),
+           "serve": args.grid == "serve"}
     avail = C.peer_availability(peers, info, args.device, args.flashqla_path,
                                 args.flashinfer_jit)
     common_spec = {
@@ -408,6 +430,8 @@ def run(args, shapes: list[C.Shape], peers: list[str], info: dict, rows: dict, s
         "fla_tuning": args.fla_tuning,
         "flashinfer_cp": args.flashinfer_cp,
         "capability": info.get("capability"),
+        "serve": args.grid == "serve",
+        "serve_pool_dtype": args.serve_pool_dtype,
     }
     deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
     done = lambda r: bool(r) and r.get("status") in ("ok", "unsupported")  # noqa: E731
@@ -799,6 +823,11 @@ def render(meta: dict, rows: dict, out_dir: str, tag: str, tol: float) -> str:
             f"MISMATCH above {tol:g}",
             "- floor = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), gdn-math.md cost model; "
             "(ours %) = floor / our eager time",
+            *([f"- serving grid: inference mode, device cu_seqlens, states in a "
+               f"{meta.get('serve_pool_dtype')} pool of 2N + 1 rows at permuted slots (ours, "
+               f"FlashInfer 0.7: state_indices, in place; FLA: gather + call + scatter, "
+               f"timed together); 'err' compares o and the pool rows written"]
+              if meta.get("grid") == "serve" else []),
             "",
         ],
     )
@@ -965,17 +994,25 @@ def main(argv=None) -> int:
         return 0
 
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
+    serve = args.grid == "serve"
+    if serve:
+        modes = ["fwd"]                     # engines prefill without autograd
     try:
         peers = C.parse_peers(args.peers)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.grid == "serve" and args.peers == build_parser().get_default("peers"):
+        peers = [p for p in peers if p in C.SERVE_IMPLS]     # the peers it has a pool call for
     if args.device == "cpu" and args.quick and not args.shapes:
         print("note: --quick is the GPU subset; on the CPU the tiny CPU set runs", file=sys.stderr)
     keys = (
         C.CPU_TINY if args.device == "cpu" and not args.shapes else C.QUICK if args.quick else None
     )
-    base = [C.Shape.from_key(k) for k in keys] if keys else C.forward_grid() + C.backward_grid()
+    if serve:
+        keys = C.CPU_SERVE if args.device == "cpu" and not args.shapes else None
+    base = ([C.Shape.from_key(k) for k in keys] if keys
+            else C.serve_grid() if serve else C.forward_grid() + C.backward_grid())
     try:
         shapes = C.select_shapes(args.shapes, modes, base)
         shapes = [s for s in shapes if args.min_seq_heads <= s.n_seqs * s.hv
@@ -1006,6 +1043,9 @@ def main(argv=None) -> int:
         tag = args.tag or (C.gpu_tag(info["device_name"]) if args.device == "cuda" else "cpu")
         if not args.tag and args.gate != "model":
             tag += f"-gate-{args.gate}"
+        if not args.tag and serve:
+            tag += "-serve" + ("" if args.serve_pool_dtype == "float32"
+                               else f"-pool-{args.serve_pool_dtype}")
         versions = dict(info.get("versions", {}))
         if "flashqla" in peers:
             versions["flashqla"] = C.flashqla_version(args.flashqla_path) or "not installed"
@@ -1045,6 +1085,8 @@ def main(argv=None) -> int:
             "fla_tune_rep_ms": args.fla_tune_rep_ms,
             "fla_tuning": args.fla_tuning,
             "worker_per": args.worker_per,
+            "grid": args.grid,
+            "serve_pool_dtype": args.serve_pool_dtype if args.grid == "serve" else None,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "git": git_rev(),
             "command": " ".join(

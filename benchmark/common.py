@@ -121,6 +121,17 @@ QUICK = [
 ]
 CPU_TINY = ["fwd:2/4@1x128", "fwd:2/4@seqs=50+78", "bwd:2/2@1x64"]
 
+# The serving grid (``--grid serve``): packed prefill batches of many short sequences, as
+# an engine's prefill step sends them, from 256 to 16k tokens, in the engine's
+# convention (inference mode, device cu_seqlens, states in a pool indexed per sequence).
+SERVE_HEADS = [(16, 32), (16, 64)]
+SERVE_LAYOUTS = ["4x64", "8x128", "16x256", "32x512", "serve-mix-2k", "serve-mix-16k"]
+# Ragged serving mixes: (seed, sequences, tokens), lengths spread ~30x as varlen_mix does.
+SERVE_MIXES = {"serve-mix-2k": (5, 16, 2048), "serve-mix-16k": (6, 64, 16384)}
+CPU_SERVE = ["fwd:2/4@4x64", "fwd:2/4@seqs=50+78+1"]
+#: State-pool dtypes of the serving grid (``--serve-pool-dtype``).
+SERVE_POOL_DTYPES = ("float32", "bfloat16")
+
 # Two seeded random mixes of 32k packed tokens: (seed, number of sequences).
 VARLEN_MIXES = {"varlen-a": (1, 8), "varlen-b": (2, 40)}
 
@@ -146,6 +157,8 @@ def parse_layout(layout: str) -> list[int]:
     """Sequence lengths of a layout: ``BxT``, a named mix, or ``seqs=L1+L2+...``."""
     if layout in VARLEN_MIXES:
         return varlen_mix(*VARLEN_MIXES[layout])
+    if layout in SERVE_MIXES:
+        return varlen_mix(*SERVE_MIXES[layout])
     m = re.fullmatch(r"(\d+)x(\d+)", layout)
     if m:
         b, t = int(m.group(1)), int(m.group(2))
@@ -195,7 +208,8 @@ class Shape:
 
     @property
     def label(self) -> str:
-        tail = f" ({self.n_seqs} seqs)" if self.layout in VARLEN_MIXES else ""
+        mixes = (*VARLEN_MIXES, *SERVE_MIXES)
+        tail = f" ({self.n_seqs} seqs)" if self.layout in mixes else ""
         return f"{self.hk}/{self.hv} {self.layout}{tail}"
 
     def validate(self) -> Shape:
@@ -216,6 +230,11 @@ class Shape:
 
 def forward_grid() -> list[Shape]:
     return [Shape("fwd", hk, hv, lay) for hk, hv in FWD_HEADS for lay in FWD_LAYOUTS]
+
+
+def serve_grid() -> list[Shape]:
+    """The serving grid: :data:`SERVE_HEADS` x :data:`SERVE_LAYOUTS`, forward only."""
+    return [Shape("fwd", hk, hv, lay) for hk, hv in SERVE_HEADS for lay in SERVE_LAYOUTS]
 
 
 def backward_grid() -> list[Shape]:
@@ -726,14 +745,146 @@ class FlashQLA013(Impl):
         return _fla_style_call(self.fn, a)
 
 
+# --------------------------------------------------------------------------------------
+# The serving convention (``--grid serve``): states in a pool, inference mode
+# --------------------------------------------------------------------------------------
+
+
+def serve_pool(inp: dict, pool_dtype: str, v_first: bool):
+    """``(pool, slots)``: the batch's initial states ``h0`` stored at seeded, permuted slots
+    of a pool of ``2 N + 1`` rows (the other rows zero), ``[P, Hv, K, V]`` (``v_first``:
+    ``[P, Hv, V, K]``) in ``pool_dtype``; slots ``[N]`` int32 on the device. Every
+    implementation gets the same rows at the same slots."""
+    import torch
+
+    h0 = inp["h0"]
+    n = h0.shape[0]
+    slots = torch.randperm(2 * n + 1, generator=torch.Generator().manual_seed(n))[:n]
+    rows = h0.transpose(-1, -2) if v_first else h0
+    pool = rows.new_zeros((2 * n + 1, *rows.shape[1:]), dtype=getattr(torch, pool_dtype))
+    pool[slots.to(h0.device)] = rows.to(pool.dtype)
+    return pool, slots.to(device=h0.device, dtype=torch.int32)
+
+
+def _pool_rows(pool, slots, v_first: bool):
+    """The pool's rows at ``slots`` as ``[N, Hv, K, V]`` fp32 (a final-state check)."""
+    rows = pool[slots.long()].float()
+    return rows.transpose(-1, -2) if v_first else rows
+
+
+class OursServe(Ours):
+    """Ours as an engine calls it: inference mode, device cu_seqlens only, states read
+    from and written into a v-first pool (``state_indices``: no gather / scatter)."""
+
+    def prepare(self, inp, ctx, requires_grad=False):
+        a = super().prepare(inp, ctx, requires_grad=False)
+        a["pool"], a["slots"] = serve_pool(inp, ctx.get("serve_pool_dtype", "float32"), True)
+        return a
+
+    def call(self, a):
+        import torch
+
+        kw = {"backend": self.backend} if self.backend else {}
+        with torch.inference_mode():
+            o, _ = self.fn(**a["views"](a), initial_state=a["pool"], state_indices=a["slots"],
+                           output_final_state=True, cu_seqlens=a["cu"], state_v_first=True,
+                           **kw)
+        return o, a["pool"]
+
+    def canon(self, out, a):
+        o = out[0]
+        return o.reshape(1, -1, *o.shape[-2:]), _pool_rows(a["pool"], a["slots"], True)
+
+
+class FLAServe(FLA):
+    """FLA as an engine calls it on a state pool: the rows gathered, the call (inference
+    mode), the final states scattered back, all in the timed call (FLA has no pool
+    indices in its chunked prefill); its [N, Hv, K, V] state layout."""
+
+    def load(self, ctx):
+        return f"{super().load(ctx)} (gather / scatter)"
+
+    def prepare(self, inp, ctx, requires_grad=False):
+        a = super().prepare(inp, ctx, requires_grad=False)
+        a["pool"], a["slots"] = serve_pool(inp, ctx.get("serve_pool_dtype", "float32"), False)
+        a["slots64"] = a["slots"].long()
+        return a
+
+    def call(self, a):
+        import torch
+
+        pool, slots = a["pool"], a["slots64"]          # an engine's int64 indices
+        with torch.inference_mode():
+            o, ht = self.fn(**a["views"](a), initial_state=pool[slots],
+                            output_final_state=True, use_qk_l2norm_in_kernel=False,
+                            cu_seqlens=a["cu"], cu_seqlens_cpu=a["cu_cpu"])
+            pool[slots] = ht.to(pool.dtype)
+        return o, pool
+
+    def canon(self, out, a):
+        o = out[0]
+        return o.reshape(1, -1, *o.shape[-2:]), _pool_rows(a["pool"], a["slots"], False)
+
+
+class FlashInferServe(FlashInfer):
+    """FlashInfer on a v-first state pool through its own ``state_indices`` (read and
+    written in place, ``output_state`` the pool); a version without them (0.6.x) gathers
+    and scatters around the call."""
+
+    def load(self, ctx):
+        import inspect
+
+        version = super().load(ctx)
+        self.has_indices = "state_indices" in inspect.signature(self.fn).parameters
+        return f"{version} ({'state_indices' if self.has_indices else 'gather / scatter'})"
+
+    def prepare(self, inp, ctx, requires_grad=False):
+        a = super().prepare(inp, ctx, requires_grad=False)
+        a["pool"], a["slots"] = serve_pool(inp, ctx.get("serve_pool_dtype", "float32"), True)
+        return a
+
+    def call(self, a):
+        import torch
+
+        pool, slots = a["pool"], a["slots"]
+        extra = dict(self.options)
+        if self.pass_max_seqlen:
+            extra["max_seqlen"] = a["max_seqlen"]
+        common = dict(g=a["alpha"], beta=a["beta"], scale=None, output_final_state=True,
+                      cu_seqlens=a["cu"], **extra)
+        with torch.inference_mode():
+            if self.has_indices:
+                o, _ = self.fn(a["q"], a["k"], a["v"], initial_state=pool, output_state=pool,
+                               state_indices=slots, **common)
+            else:
+                rows = slots.long()
+                o, ht = self.fn(a["q"], a["k"], a["v"], initial_state=pool[rows], **common)
+                pool[rows] = ht.to(pool.dtype)
+        return o, pool
+
+    def canon(self, out, a):
+        o = out[0]
+        return o.reshape(1, *o.shape), _pool_rows(a["pool"], a["slots"], True)
+
+
 IMPLS = {"ours": Ours, "fla": FLA, "flashinfer": FlashInfer, "flashqla": FlashQLA013,
          "unsplit": OursUnsplit, "host-offsets": OursHostOffsets, "fla-routed": FLARouted}
+#: The implementations of the serving grid (``--grid serve``), by peer name.
+SERVE_IMPLS = {"ours": OursServe, "fla": FLAServe, "flashinfer": FlashInferServe}
+
+
+def impl_for(spec: dict) -> Impl:
+    """The implementation a worker drives: the serving convention's with ``serve``."""
+    table = SERVE_IMPLS if spec.get("serve") else IMPLS
+    return table[spec["impl"]]()
 
 
 def static_unsupported(impl: str, shape: Shape, env: dict) -> str | None:
     """Why ``impl`` cannot run ``shape`` here, known without starting a worker."""
     if env.get("device") == "cpu" and impl not in OURS_FAMILY:
         return "skipped: needs a CUDA GPU (--device cpu runs ours only)"
+    if env.get("serve") and impl not in SERVE_IMPLS:
+        return "unsupported: the serving grid measures " + ", ".join(SERVE_IMPLS)
     if impl == "flashinfer" and shape.mode == "bwd":
         return "unsupported: forward only"
     if (
@@ -941,7 +1092,7 @@ def task_bench(spec: dict) -> dict:
     dev, mode = spec["device"], shape.mode
     res = {"impl": spec["impl"], "shape": shape.key, "status": "running"}
     out_path = spec["result_path"]
-    impl = IMPLS[spec["impl"]]()
+    impl = impl_for(spec)
     if dev != "cpu":
         torch.cuda.init()
     torch.manual_seed(0)

@@ -570,3 +570,93 @@ def test_resume_keeps_ours_row_when_ours_only_makes_the_reference(tmp_path):
     assert rows["ours"]["eager_ms"] == ours_before["eager_ms"]
     assert rows["ours"]["reference_rerun"]["status"] == "ok"   # its backend: torch on cpu
     assert after["meta"]["versions"]["fla"] == "9.9.9"
+
+
+def test_serving_grid_is_the_issue_s():
+    """256 to 16k packed tokens of many short sequences (4x64 ... 32x512 and two ragged
+    mixes) at 16/32 and 16/64, forward only."""
+    grid = C.serve_grid()
+    assert {(s.hk, s.hv) for s in grid} == {(16, 32), (16, 64)}
+    assert {s.mode for s in grid} == {"fwd"}
+    assert sorted({s.tokens for s in grid}) == [256, 1024, 2048, 4096, 16384]
+    for name, (_, n, total) in C.SERVE_MIXES.items():
+        lens = C.parse_layout(name)
+        assert len(lens) == n and sum(lens) == total and min(lens) >= 1
+    env = {"device": "cuda", "serve": True}
+    assert C.static_unsupported("flashqla", grid[0], env).startswith("unsupported")
+    assert C.static_unsupported("flashinfer", grid[0], env) is None
+
+
+def _fake_fla(**kw):
+    """FLA's chunk_gated_delta_rule keywords, run by our torch backend."""
+    import flash_qla
+
+    kw.pop("cu_seqlens_cpu")
+    return flash_qla.chunk_gated_delta_rule(**kw, backend="torch")
+
+
+def _fake_flashinfer(q, k, v, *, g, beta, scale, output_final_state, cu_seqlens,
+                     initial_state, output_state=None, state_indices=None):
+    """FlashInfer 0.7's gdn_prefill contract (packed [T, H, D], alpha = exp(g), v-first
+    states; with state_indices the pool is read and ``output_state`` written at the
+    indices), run by our torch backend."""
+    import flash_qla
+
+    args = dict(q=q[None], k=k[None], v=v[None], g=g.log()[None], beta=beta[None],
+                cu_seqlens=cu_seqlens, output_final_state=True, state_v_first=True,
+                backend="torch")
+    if state_indices is None:
+        o, ht = flash_qla.chunk_gated_delta_rule(**args, initial_state=initial_state)
+        return o[0], ht
+    assert output_state is initial_state          # in place, as the adapter calls it
+    o, pool = flash_qla.chunk_gated_delta_rule(**args, initial_state=initial_state,
+                                               state_indices=state_indices)
+    return o[0], pool
+
+
+@needs_ours
+@pytest.mark.parametrize("pool_dtype", C.SERVE_POOL_DTYPES)
+def test_serving_adapters_agree_on_the_pool(pool_dtype):
+    """The serving grid's three adapters (ours on the pool, FLA's gather / call /
+    scatter, FlashInfer's state_indices and its 0.6 fallback), each driven on the same
+    pool by a stand-in of the peer built on our torch backend: same o, same rows
+    written, other rows untouched."""
+    import torch
+
+    shape = C.Shape.from_key("fwd:2/4@seqs=50+78+1")
+    inp = C.make_inputs(shape, "model", 0, "cpu", with_grads=False)
+    ctx = {"serve_pool_dtype": pool_dtype, "ours_backend": "torch"}
+    ours = C.OursServe()
+    ours.load(ctx)
+    a = ours.prepare(inp, ctx)
+    before = a["pool"].clone()
+    o_ref, ht_ref = ours.canon(ours.call(a), a)
+    unnamed = sorted(set(range(before.shape[0])) - set(a["slots"].tolist()))
+    assert torch.equal(a["pool"][unnamed], before[unnamed])
+    assert C.rel_err(ht_ref, C._pool_rows(before, a["slots"], True)) > 0.01   # written
+    fla = C.FLAServe()
+    fla.fn = _fake_fla
+    fi_indices, fi_gather = C.FlashInferServe(), C.FlashInferServe()
+    for peer, indices in ((fi_indices, True), (fi_gather, False)):
+        peer.fn, peer.options, peer.pass_max_seqlen = _fake_flashinfer, {}, False
+        peer.has_indices = indices
+    for peer in (fla, fi_indices, fi_gather):
+        b = peer.prepare(inp, ctx)
+        o, ht = peer.canon(peer.call(b), b)
+        # (FlashInfer's stand-in takes log(exp(g)) and fp32 beta: bf16 o differs in ulps)
+        assert C.rel_err(o, o_ref) < 1e-3 and C.rel_err(ht, ht_ref) < 1e-3, type(peer)
+
+
+@needs_ours
+def test_benchmark_serve_grid_on_cpu(tmp_path):
+    """--grid serve --device cpu: ours on its pool (torch backend) writes the -serve
+    files, the table says how the pool was used, the peers are only FLA and FlashInfer."""
+    p = _run([BENCH, "--grid", "serve", "--device", "cpu", "--no-graphs",
+              "--out", str(tmp_path)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "cpu-serve.json").read_text())
+    ours = [r for r in data["results"] if r["impl"] == "ours"]
+    assert [r["shape"] for r in ours] == C.CPU_SERVE
+    assert all(r["status"] == "ok" and r["eager_ms"] > 0 for r in ours), ours
+    assert {r["impl"] for r in data["results"]} == {"ours", "fla", "flashinfer"}
+    assert "serving grid" in (tmp_path / "cpu-serve.md").read_text()

@@ -7,6 +7,9 @@
 #   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes; default: README's rows) with
 #            PEERS, one worker per implementation and mode; BENCH_ARGS: options
 #            (default --dense-batch)
+#   first    tools/first_use.py in fresh processes (first forward / first training step)
+#   host     tools/host_cost.py (host wall and GPU time per call) for each of HOST_IMPLS
+#            (default: ours flashqla fla) on HOST_SHAPES, forward and training step
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (for the next call's carry)
 # Results: $OUT/results.tar.xz, tables printed last. Usage, on the H200, repo root:
 #   STAGES="compile tests cache" bash tools/h200_dropin.sh
@@ -53,6 +56,21 @@ if has ptests; then   # TEST_GROUPS: ";"-separated pytest targets, run side by s
 fi
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} --peers ${PEERS:-host-offsets,fla-routed,flashqla} ${BENCH_ARGS:---dense-batch}"
+if has first; then
+  for order in "" --step-first; do
+    timeout "$(cap 60)" python3 tools/first_use.py $order > "$R/first-use${order}.txt" 2>&1
+  done
+fi
+if has host; then   # one process per implementation and call: host timings alone on the GPU
+  for impl in ${HOST_IMPLS:-ours flashqla fla}; do
+    for step in "" --fwd-bwd; do
+      f="$R/host-$impl${step:+-step}.txt"
+      FLA_CACHE_RESULTS=1 timeout "$(cap 120)" python3 tools/host_cost.py --impl "$impl" $FQ $step \
+        --profile-top 15 --shapes "${HOST_SHAPES:-2/8@1x8192,4/8@1x8192,16/32@$S6}" > "$f" 2>&1
+      echo "host $impl ${step:-fwd}: rc=$?"
+    done
+  done
+fi
 if has fwd; then
   timeout "$(cap ${FWD_TIMEOUT:-240})" $B --mode fwd --shapes "$FWD_ROWS" --tag H200-fwd \
     --deadline-s "$(cap 200)" > "$R/fwd.txt" 2>&1
@@ -66,4 +84,6 @@ if has cache; then
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in "$R"/gpu-tests*.txt; do [ -f "$f" ] && grep -E "^FAILED|^ERROR|passed|failed" "$f" | tail -8; done
+for f in "$R"/first-use*.txt; do [ -f "$f" ] && { echo "== $f"; tail -12 "$f"; }; done
+for f in "$R"/host-*.txt; do [ -f "$f" ] && { echo "== $f"; tail -5 "$f"; }; done
 for f in "$R"/fwd.txt "$R"/bwd.txt; do [ -f "$f" ] && tail -40 "$f"; done

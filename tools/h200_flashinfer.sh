@@ -17,6 +17,8 @@
 #            CuTe-DSL kernels once for every row; "config" pays that per row)
 # FI_GRAPHS  1 (default): also the CUDA-graph column; 0: eager only
 # FI_TIMEOUT seconds for the benchmark (default 480; the device stops a call at 600)
+# FI_ARGS    more bench options, e.g. '--grid serve' (with FI_SHAPES='*@*': the serving
+#            grid, FlashInfer through its state_indices)
 # Results: $OUT/results.tar.xz (the benchmark's md/csv/json and its log).
 set -uo pipefail
 T0=$SECONDS
@@ -38,7 +40,7 @@ timeout "$TIMEOUT" python3 benchmark/bench_gated_delta_rule.py --out "$R" --mode
   --flashinfer-cp "${FI_CP:-auto}" --worker-per "${FI_WORKER_PER:-mode}" \
   --deadline-s $((TIMEOUT - 90)) --worker-timeout $((TIMEOUT - 30)) \
   --shapes "${FI_SHAPES:-16/32@8x4096,16/64@2x16384,16/64@1x32768,16/16@4x8192}" \
-  > "$R/flashinfer.txt" 2>&1
+  ${FI_ARGS:-} > "$R/flashinfer.txt" 2>&1
 echo "benchmark exit $? after $((SECONDS - T0)) s"
 tar cJf "$OUT/results.tar.xz" -C "$R" .
 tail -n 40 "$R/flashinfer.txt"

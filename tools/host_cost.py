@@ -111,9 +111,13 @@ def main() -> None:
                     help="comma-separated HK/HV@LAYOUT items (the benchmark's shape keys)")
     ap.add_argument("--profile-top", type=int, default=25,
                     help="Python functions listed per shape, by own time (cProfile)")
-    ap.add_argument("--impl", choices=["ours", "flashqla"], default="ours",
-                    help="flashqla: FlashQLA 0.1.3 from --flashqla-path (no per-launch costs)")
+    ap.add_argument("--impl", choices=sorted(C.IMPLS), default="ours",
+                    help="the benchmark's implementations: flashqla is FlashQLA 0.1.3 from "
+                         "--flashqla-path, fla FLA's own kernels (FLA_FLASH_QLA=0), "
+                         "fla-routed FLA routed to ours; per-launch costs for ours only")
     ap.add_argument("--flashqla-path")
+    ap.add_argument("--fla-tune-rep-ms", type=float, default=10.0,
+                    help="fla: ms per Triton autotune config (Triton's default: 100)")
     ap.add_argument("--backward", action="store_true",
                     help="the backward of ours instead of the forward (wall, GPU, cProfile)")
     ap.add_argument("--fwd-bwd", action="store_true",
@@ -129,7 +133,7 @@ def main() -> None:
         print("error: tools/host_cost.py times CUDA launches and needs a CUDA GPU (none is "
               "visible)", file=sys.stderr)
         sys.exit(2)
-    ctx = {"flashqla_path": args.flashqla_path}
+    ctx = {"flashqla_path": args.flashqla_path, "fla_tune_rep_ms": args.fla_tune_rep_ms}
     impl = C.IMPLS[args.impl]()
     impl.load(ctx)
     recorders = {}

@@ -477,3 +477,23 @@ def test_bounded_split_hands_kept_states_to_its_backward(keeps):
                         cu_seqlens_cpu=None, segment_len=128, shortcut_bound=2.0 ** -9,
                         states=states)
     assert kernels.calls[-1]["states"] is states
+
+
+def test_consecutive_rows_are_taken_by_a_view():
+    """A split of one sequence (or of sequences whose last / first segments are
+    consecutive rows) takes each sequence's final state and dh0 rows by a view, not a
+    gather: the same values, no copy."""
+    from flash_qla.segments import _plan, _rows, _run_start
+
+    assert _run_start([3]) == 3 and _run_start([2, 3, 4]) == 2
+    assert _run_start([0, 2]) == -1 and _run_start([]) == -1
+    x = torch.arange(5 * 2, dtype=torch.float32).view(5, 2)
+    index = torch.tensor([2, 3])
+    view = _rows(x, index, 2, 2)
+    assert torch.equal(view, x.index_select(0, index)) and view.data_ptr() == x[2].data_ptr()
+    assert torch.equal(_rows(x, torch.tensor([0, 4]), -1, 2), x[[0, 4]])
+    one = _plan((0, 1000), 256, torch.device("cpu"))                  # 4 segments
+    assert (one.last_run, one.first_run) == (one.num_segments - 1, 0)
+    two = _plan((0, 1000, 1100), 256, torch.device("cpu"))            # 4 + 1 segments
+    assert (two.last_run, two.first_run) == (3, -1)
+    assert two.last_seg.tolist() == [3, 4] and two.first_seg.tolist() == [0, 4]

@@ -131,6 +131,23 @@ def test_fused_reverse_kernel_roles_keep_to_their_own_resources(tmp_path):
     assert src.count("__syncthreads()") == 1 and "tma_load" in src and "cp_async" not in src
 
 
+@pytest.mark.parametrize(("kernel", "ctype"), [("fwd_ws_pool_bf16_v_first", "bfloat16_t"),
+                                               ("fwd_ws_pool_fp32", "float")])
+def test_pool_forward_reads_and_writes_only_the_pool(kernel, ctype):
+    """chunk_fwd_ws on a state pool: the state is loaded from and stored to one pool
+    argument (``final_state``, in the pool's dtype; the aliased ``initial_state`` is
+    never read, so no two restrict pointers reach one row), at the slot ``seq_index[n]``
+    loaded twice (before and after the chain, no register held across it), with a
+    guard for negative slots on both sides."""
+    builder, args = variant(kernel)
+    src = _source(builder, *args)
+    assert re.search(rf"{ctype}\*\s*__restrict__\s+final_state\b", src), src[:2000]
+    assert "initial_state" not in src
+    assert src.count("seq_index[") == 2
+    assert "if (0 <= src) {" in src and "if (0 <= dst) {" in src
+    assert "tl::wgmma_rs<" in src and src.count("__syncthreads()") == 1
+
+
 def test_states_only_forward_skips_o():
     """chunk_fwd_ws with ``states_only`` (the backward's recompute of h): three state
     WGMMAs per chunk, no Q K^T on the aux warpgroup, and o never written."""
@@ -160,7 +177,8 @@ def test_aux_warpgroup_sweep_keeps_ds_in_registers(tmp_path):
 @pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_intra",
                                     "fwd_ws_warmup_h_dtype", "bwd_dh_ws_dtype",
                                     "bwd_dh_ws_warmup_dtype",
-                                    "fwd_ws_states", "fwd_ws_warmup_states_dtype"])
+                                    "fwd_ws_states", "fwd_ws_warmup_states_dtype",
+                                    "fwd_ws_pool_bf16_v_first", "fwd_ws_pool_fp32"])
 def test_wgmma_chains_are_not_serialised(kernel, tmp_path):
     """ptxas keeps the WGMMA k-steps of these kernels in flight together: no C7512
     ("wgmma.mma_async instructions are serialized"), which makes every 16-deep step wait

@@ -474,11 +474,61 @@ def _decode_step(*, h0: bool):
                                                output_final_state=True)
 
 
+def _pool_batch(pool_dtype: torch.dtype) -> dict:
+    """An engine's prefill batch on a state pool: 3 sequences (one a padding row), GVA
+    2/4, bf16, K = V = 128; the keyword arguments of the call but ``state_v_first``."""
+    (q, k, v, g, beta, _), _, _ = _inputs(1, 200, 4, requires_grad=False)
+    return dict(q=q[:, :, :2], k=k[:, :, :2], v=v, g=g, beta=beta,
+                initial_state=torch.zeros(5, 4, 128, 128, dtype=pool_dtype),
+                state_indices=torch.tensor([3, -1, 0], dtype=torch.int32),
+                cu_seqlens=torch.tensor([0, 64, 70, 190], dtype=torch.int32),
+                output_final_state=True)
+
+
+def _pool_prefill(batch: dict, v_first: bool) -> None:
+    import flash_qla
+
+    with torch.inference_mode():
+        flash_qla.chunk_gated_delta_rule(**batch, state_v_first=v_first)
+
+
+def test_pool_prefill_runs_on_the_pool_itself(built, monkeypatch):
+    """The pool forward hands the pool to the recurrence kernel as its initial and final
+    state and the int32 slots as they are: no gather, scatter, index or copy op on the
+    host path (after the first call, which fills the layout caches)."""
+    from flash_qla_tl import forward
+
+    launches = []
+    real = forward.launcher
+
+    def spy(builder, *static):
+        kernel = real(builder, *static)
+
+        def launch(*args):
+            launches.append((builder.__name__, static, args))
+            return kernel(*args)
+        return launch
+
+    monkeypatch.setattr(forward, "launcher", spy)
+    batch = _pool_batch(torch.bfloat16)
+    _pool_prefill(batch, True)
+    count = _OpCount()
+    with count:
+        _pool_prefill(batch, True)
+    name, static, args = launches[-1]
+    assert name == "chunk_fwd_ws_kernel" and static[-2:] == ("bfloat16", True)
+    pool, idx = batch["initial_state"], batch["state_indices"]
+    assert args[8] is pool and args[11] is pool and args[14] is idx
+    gathers = {op for op in count.ops if any(word in op for word in (
+        "index", "gather", "scatter", "where", "copy"))}
+    assert gathers == set(), count.ops
+
+
 def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     """Training steps over every option the host path distinguishes (initial state,
     state gradient, kept or recomputed h, unsplit or bounded split, fused or two-kernel
-    backward, h returned) and decode steps launch exactly the bf16 variants
-    ``precompile.variants(SM90)``
+    backward, h returned), decode steps and prefills on a state pool (3 dtypes x 2
+    layouts) launch exactly the bf16 variants ``precompile.variants(SM90)``
     compiles ahead of time: none missing from the shipped cache, none shipped unused."""
     precompile = pytest.importorskip("flash_qla_tl.precompile")
     for fused in (False, True):
@@ -489,6 +539,9 @@ def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     for h0 in (False, True):
         _training_step(2, 256, h0=h0, dht=False, save=False, output_h=True)
         _decode_step(h0=h0)
+    for pool_dtype, v_first in itertools.product(
+            (torch.float32, torch.bfloat16, torch.float16), (False, True)):
+        _pool_prefill(_pool_batch(pool_dtype), v_first)
     shipped = {(b.__name__, args) for b, args in precompile.variants(SM90)
                if args[1] == "bfloat16"}
     assert set(built) == shipped, (sorted(set(built) - shipped), sorted(shipped - set(built)))

@@ -312,6 +312,8 @@ def _kernel_initial_state(state: torch.Tensor | None, q: torch.Tensor,
     if v_first:
         state = state.transpose(-1, -2)                               # [N,Hv,K,V] view
     dtype = validation.state_dtype(q)
+    if state.dtype == dtype and state.is_contiguous():      # no call: a no-op ``to``
+        return state                                        # still costs a dispatch
     return state.to(dtype, memory_format=torch.contiguous_format).contiguous()
 
 
@@ -394,7 +396,9 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             q, k, v, g_cumsum, beta, A, do, dht=dht, scale=ctx.scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu, **kept)
-        return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(ctx.beta_dtype), dh0,
+        dg = dg if dg.dtype == ctx.g_dtype else dg.to(ctx.g_dtype)
+        dbeta = dbeta if dbeta.dtype == ctx.beta_dtype else dbeta.to(ctx.beta_dtype)
+        return (dq, dk, dv, dg, dbeta, dh0,
                 None, None, None, None, None, None, None, None)
 
 
@@ -451,6 +455,7 @@ def chunk_gated_delta_rule(
     segment_shortcut_bound: float = DEFAULT_SHORTCUT_BOUND,
     save_chunk_states: bool = True,
     backend: str | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet over whole sequences, differentiable (FLA/FlashQLA compatible).
 
@@ -546,6 +551,21 @@ def chunk_gated_delta_rule(
             nor inside ``torch.compile`` (NotImplementedError).
         backend: force a backend by name, e.g. ``"torch"`` (the env variable
             ``FLASH_QLA_BACKEND`` does the same); None picks one for q's device.
+        state_indices: ``[N]`` int32/int64 on q's device, or None. Given, ``initial_state``
+            is an engine's state pool ``[P, Hv, K, V]`` (v-first: ``[P, Hv, V, K]``),
+            contiguous, fp32/bf16/fp16: sequence n starts from ``pool[state_indices[n]]``
+            (in fp32) and, with ``output_final_state``, its final state is written back
+            to that row in place, in the pool's dtype, and the pool itself is returned
+            as final_state (without it the pool is only read). A negative index is a
+            padding row: zero start, nothing read or written. FlashInfer 0.7.4's
+            ``state_indices`` (:mod:`flash_qla.state_pool`). Inference only
+            (NotImplementedError when autograd would record the call, with
+            ``cp_context``, or inside ``torch.compile``). On sm90 the forward kernel
+            reads and writes the rows (no gather or scatter pass); a call split into
+            segments gathers and scatters them; no host read of the indices either way
+            (CUDA-graph capturable). Slots must be distinct and below P:
+            checked (ValueError) when the indices are on the host, else unchecked (a
+            duplicated slot leaves its row undefined).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, Hv, V]`` in q's dtype; final_state ``[N, Hv, K,
@@ -567,6 +587,8 @@ def chunk_gated_delta_rule(
     Not checked (would cost a pass over the data or a host sync): finite inputs,
     ``g <= 0``, beta's range, and ``cu_seqlens`` contents during CUDA-graph capture.
     """
+    if state_indices is not None:       # an engine's state pool: flash_qla.state_pool
+        return _on_state_pool(**locals())
     # >>> context parallelism (issue 35): flash_qla.context_parallel owns the rest
     cp_layout = None
     if cp_context is not None:      # the local offsets replace the call's, as in FLA
@@ -629,6 +651,33 @@ def chunk_gated_delta_rule(
     if v_first:
         final_state = _swap_state_layout(final_state)                 # [N,Hv,V,K]
     return o, final_state
+
+
+def _on_state_pool(*, q, k, v, g, beta, scale, initial_state, output_final_state,
+                   use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, transpose_state_layout,
+                   state_v_first, head_first, use_gate_in_kernel, A_log, dt_bias, auto_cp,
+                   enable_fwd_cp_cache, cp_context, force_intra_cp, segment_len,
+                   segment_shortcut_bound, save_chunk_states, backend, state_indices):
+    """:func:`chunk_gated_delta_rule` with ``state_indices``: its keyword checks, then
+    :func:`flash_qla.state_pool.chunk_forward_on_pool`."""
+    from flash_qla.state_pool import chunk_forward_on_pool
+
+    if cp_context is not None:
+        raise NotImplementedError(
+            "cp_context with state_indices is not supported (each rank holds a slice of a "
+            "sequence; its state pool is the engine's, not the rank's); pass one of them")
+    _reject_unsupported(head_first=head_first, auto_cp=auto_cp,
+                        enable_fwd_cp_cache=enable_fwd_cp_cache, cp_context=None)
+    validation.check_bool("save_chunk_states", save_chunk_states)
+    return chunk_forward_on_pool(
+        q, k, v, g, beta, scale=scale, pool=initial_state, state_indices=state_indices,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        v_first=_resolve_v_first(transpose_state_layout, state_v_first),
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        segment_len=_resolve_segment_len(force_intra_cp, segment_len), auto_cp=auto_cp,
+        shortcut_bound=_check_shortcut_bound(segment_shortcut_bound), backend=backend)
 
 
 def chunk_gated_delta_rule_fwd(

@@ -64,6 +64,13 @@ class Kernels(Protocol):
     # ``fwd`` without its prepare, from the g_cumsum and A that ``fwd`` returned for the
     # same tokens and chunk boundaries (the segment split reuses them in its later passes;
     # without it, every pass recomputes them).
+    # Optional: ``fwd_pool(q, k, v, g, beta, *, scale, pool, state_indices, v_first,
+    # cu_seqlens, cu_seqlens_cpu) -> o``: the inference forward on an engine's state pool
+    # (``flash_qla.state_pool``): pool ``[P, Hv, K, V]`` (``v_first``: ``[P, Hv, V, K]``),
+    # contiguous, fp32/bf16/fp16; sequence n starts from row ``state_indices[n]`` (zeros
+    # for a negative index) and its final state is written to that row in the pool's
+    # dtype, in place (nothing for a negative index). Without it, and for calls split
+    # into segments, the core gathers the rows, runs ``fwd`` and scatters the states.
     # Optional: ``beta_dtype``, a torch dtype: the dtype the kernels read beta in; the
     # autograd Function converts beta to it once per training step (the forward and the
     # backward then receive it) instead of each pass converting its own copy. Only for

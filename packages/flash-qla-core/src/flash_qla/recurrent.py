@@ -16,35 +16,20 @@ from __future__ import annotations
 import torch
 
 from flash_qla import api, validation
+from flash_qla.state_pool import check_state_pool
 
 __all__ = ["fused_recurrent_gated_delta_rule"]
 
 
 def _check_pool(pool, state_indices, q, v, N: int, v_first: bool) -> None:
-    """``initial_state`` a pool ``[P, Hv, K, V]`` fp32 and ``state_indices`` ``[N]``."""
-    validation.check_is_tensor("state_indices", state_indices)
-    if state_indices.dtype not in validation.INDEX_DTYPES:
-        raise TypeError(f"state_indices must have an integer dtype (int32 or int64); got "
-                        f"{state_indices.dtype}")
-    if state_indices.shape != (N,):
-        raise ValueError(f"state_indices must be [N] = [{N}] (one state slot per sequence); "
-                         f"got shape {list(state_indices.shape)}")
-    if pool is None:
-        raise ValueError("state_indices needs initial_state: the state pool [P, Hv, K, V] "
-                         "(fp32) the slots index")
-    if v_first:
+    """``initial_state`` a pool ``[P, Hv, K, V]`` fp32 and ``state_indices`` ``[N]``
+    (:func:`flash_qla.state_pool.check_state_pool`, the prefill's check, with the decode
+    kernel's one dtype and layout)."""
+    if v_first and pool is not None:
         raise NotImplementedError("state_indices with state_v_first=True is not supported: "
                                   "pass the pool as [P, Hv, K, V]")
-    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-    if pool.dim() != 4 or tuple(pool.shape[1:]) != (Hv, K, V):
-        raise ValueError(f"initial_state (the state pool) must be [P, Hv, K, V] = "
-                         f"[P, {Hv}, {K}, {V}]; got shape {list(pool.shape)}")
-    if pool.dtype != validation.state_dtype(q):
-        raise TypeError(f"initial_state (the state pool) must have dtype "
-                        f"{validation.state_dtype(q)} (it is updated in place); got "
-                        f"{pool.dtype}")
-    validation.check_same_device({"q": q, "initial_state": pool,
-                                  "state_indices": state_indices})
+    check_state_pool(pool, state_indices, q, v, N, v_first=False,
+                     dtypes=(validation.state_dtype(q),))
 
 
 def fused_recurrent_gated_delta_rule(

@@ -613,6 +613,20 @@ class _TorchKernels:
             output_final_state=output_final_state, output_h=output_h,
             chunk_size=self.chunk_size)
 
+    def fwd_pool(self, q, k, v, g, beta, *, scale: float, pool, state_indices,
+                 v_first: bool, cu_seqlens, cu_seqlens_cpu):
+        """See ``Kernels.fwd_pool`` (:mod:`flash_qla.state_pool`): the pool's rows
+        gathered, :meth:`fwd`, and the final states scattered back in the pool's dtype
+        (the semantics the kernels' in-place version is checked against)."""
+        from flash_qla.state_pool import gather_states, scatter_states  # lazily: cycle
+
+        h0 = gather_states(pool, state_indices, v_first=v_first, dtype=_compute_dtype(q.dtype))
+        _, _, o, _, final = self.fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                     output_final_state=True, output_h=False)
+        scatter_states(pool, state_indices, final, v_first=v_first)
+        return o
+
     def fwd_warmup(self, q, k, v, g, beta, *, scale: float, initial_state, cu_seqlens,
                    cu_seqlens_cpu, starts):
         """See ``Kernels.fwd_warmup`` (the bounded segment split): every (segment,

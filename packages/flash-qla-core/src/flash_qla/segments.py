@@ -165,6 +165,8 @@ class _Plan:
     seg_seq_end: Tensor     # [Nseg] int32: its sequence's end token (kernel walks)
     any_empty: bool         # a sequence without tokens (its final state is h0 or 0)
     staging: tuple = ()     # pinned host buffers the device tensors were copied from
+    last_run: int = -1      # last_seg == range(last_run, last_run + N), else -1 ...
+    first_run: int = -1     # ... and first_seg likewise: rows taken by a view, no gather
 
 
 @functools.lru_cache(maxsize=32)
@@ -202,7 +204,22 @@ def _plan(bounds: tuple[int, ...], segment_len: int, device: torch.device) -> _P
     cu, seq_start, seq, seq_end = small.split([Nseg + 1, Nseg, Nseg, Nseg])   # int32
     return _Plan(N, Nseg, J, cu, torch.tensor(seg, dtype=torch.int32), slot_t.view(J, N),
                  *rest, seg_seq_start=seq_start, seg_seq=seq, seg_seq_end=seq_end,
-                 any_empty=min(counts, default=0) == 0, staging=tuple(staging))
+                 any_empty=min(counts, default=0) == 0, staging=tuple(staging),
+                 last_run=_run_start(last_seg), first_run=_run_start(first_seg))
+
+
+def _run_start(rows: list[int]) -> int:
+    """``rows[0]`` when rows are consecutive (``rows[0], rows[0] + 1, ...``: always for
+    one sequence), else -1."""
+    if rows and all(r == rows[0] + i for i, r in enumerate(rows)):
+        return rows[0]
+    return -1
+
+
+def _rows(x: Tensor, index: Tensor, run: int, n: int) -> Tensor:
+    """``x.index_select(0, index)`` for an index whose host copy is ``range(run, run +
+    n)`` (``run >= 0``): then a view of x (no launch), else the gather."""
+    return x[run:run + n] if run >= 0 else x.index_select(0, index)
 
 
 #: Plans used inside a CUDA-graph capture (by id): a graph reads their device tensors
@@ -460,7 +477,8 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
         cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound), **keep)
     final_state = None
     if output_final_state:                             # the last segment's, per sequence
-        final_state = final_seg.index_select(0, plan.last_seg)           # [N,Hv,K,V]
+        final_state = _rows(final_seg, plan.last_seg,                    # [N,Hv,K,V]
+                            getattr(plan, "last_run", -1), plan.N)
         if plan.any_empty:                             # no segment: h0 (or zeros) as is
             empty = (plan.ends == 0)[:, None, None, None]
             fill = (final_state.new_zeros(()) if initial_state is None
@@ -499,7 +517,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
         ends=WalkEnds(plan, shortcut_bound), **kept)
     dh0 = None
     if initial_state is not None:                    # each sequence's first segment
-        dh0 = dh0_seg.index_select(0, plan.first_seg)                    # [N,Hv,K,V]
+        dh0 = _rows(dh0_seg, plan.first_seg, plan.first_run, plan.N)    # [N,Hv,K,V]
         if plan.any_empty:                           # no tokens: dh0 = dht (or 0)
             empty = (plan.ends == 0)[:, None, None, None]
             dh0 = torch.where(empty, dh0.new_zeros(()) if dht is None else dht, dh0)

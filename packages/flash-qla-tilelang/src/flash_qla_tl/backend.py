@@ -57,6 +57,15 @@ class TileLangKernels:
                                  output_final_state=output_final_state, output_h=output_h,
                                  keep_states=keep_states)
 
+    def fwd_pool(self, q, k, v, g, beta, *, scale, pool, state_indices, v_first,
+                 cu_seqlens, cu_seqlens_cpu):
+        """The forward on an engine's state pool (``flash_qla.backend.Kernels``,
+        optional): read and written in place by the forward kernel."""
+        self._chunked(q)
+        return forward.pool_fwd(q, k, v, g, beta, arch=self.arch, scale=scale, pool=pool,
+                                state_indices=state_indices, v_first=v_first,
+                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
     def fwd_prepared(self, q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
                      cu_seqlens_cpu, output_final_state, output_h):
         self._chunked(q)

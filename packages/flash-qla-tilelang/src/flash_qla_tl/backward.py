@@ -25,14 +25,17 @@ import torch
 from . import plan
 from .arch import Arch
 from .forward import state_output
-from .kernels.chunk_grads_fused import chunk_bwd_fused_kernel
-from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
-from .kernels.chunk_state_grad import chunk_bwd_dh_ws_kernel
-from .kernels.group_sum import group_sum_kernel
+from .kernels import (
+    chunk_bwd_dh_ws_kernel,
+    chunk_bwd_fused_kernel,
+    chunk_bwd_intra_kernel,
+    group_sum_kernel,
+)
 from .launch import launcher
 from .layout import (
     DTYPE_NAMES,
     ChunkLayout,
+    cast,
     layout_for,
     packed,
     sm_count,
@@ -49,8 +52,9 @@ def _fp32_beta(backward):
     caller's beta dtype (the low-level ``chunk_gated_delta_rule_bwd`` contract)."""
     @functools.wraps(backward)
     def run(q, k, v, g_cumsum, beta, *args, **kwargs):
-        dq, dk, dv, dbeta, dg, dh0 = backward(q, k, v, g_cumsum, beta.float(), *args, **kwargs)
-        return dq, dk, dv, dbeta.to(beta.dtype), dg, dh0
+        dq, dk, dv, dbeta, dg, dh0 = backward(q, k, v, g_cumsum, cast(beta, torch.float32),
+                                              *args, **kwargs)
+        return dq, dk, dv, cast(dbeta, beta.dtype), dg, dh0
     return run
 
 
@@ -163,10 +167,10 @@ def finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta, *, arch: Arch) -> tuple:
     ...]`` views in the inputs' dtypes, dg fp32."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
-    return (sum_groups(dq, arch=arch).view(B, T, Hk, K).to(q.dtype),
-            sum_groups(dk, arch=arch).view(B, T, Hk, K).to(k.dtype),
-            dv.view(B, T, Hv, V).to(v.dtype),
-            dbeta.view(B, T, Hv).to(beta.dtype),
+    return (cast(sum_groups(dq, arch=arch).view(B, T, Hk, K), q.dtype),
+            cast(sum_groups(dk, arch=arch).view(B, T, Hk, K), k.dtype),
+            cast(dv.view(B, T, Hv, V), v.dtype),
+            cast(dbeta.view(B, T, Hv), beta.dtype),
             dg.view(B, T, Hv))
 
 
@@ -262,7 +266,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale, initial
     h = states if states is not None else chunk_states(
         q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p, **common)
     if fused:
-        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=dht,
+        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, cast(h, q.dtype), dht=dht,
                                   packed=p, **common)
     else:
         dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, packed=p, **common)
@@ -296,7 +300,7 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale,
     if fused:
         _, ends_dS = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends,
                                  boundary=True, packed=p, **common)
-        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, h.to(q.dtype), dht=ends_dS,
+        *grads, dh0 = fused_grads(q, k, v, g_cumsum, beta, A, do, cast(h, q.dtype), dht=ends_dS,
                                   packed=p, **common)
     else:
         dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, dht=dht, ends=ends, packed=p,

@@ -10,12 +10,12 @@ import torch
 
 from . import plan
 from .arch import Arch
-from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-from .kernels.chunk_state_output import chunk_fwd_ws_kernel
+from .kernels import chunk_fwd_ws_kernel, chunk_prepare_blocked_kernel
 from .kernels.traits import CHUNK
 from .launch import launcher
 from .layout import (
     DTYPE_NAMES,
+    POOL_DTYPE_NAMES,
     ChunkLayout,
     layout_for,
     no_h,
@@ -113,6 +113,29 @@ def chunk_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens,
         initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
         output_final_state=output_final_state, output_h=output_h, keep_states=keep_states)
     return g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o, h, final_state
+
+
+def pool_fwd(q, k, v, g, beta, *, arch: Arch, scale, pool, state_indices, v_first,
+             cu_seqlens, cu_seqlens_cpu):
+    """``Kernels.fwd_pool``: the inference forward reading each sequence's initial state
+    from an engine's state pool and writing its final state back there, in place, inside
+    ``chunk_fwd_ws`` (no gather or scatter pass). pool ``[P, Hv, K, V]`` (``v_first``:
+    ``[P, Hv, V, K]``) contiguous, fp32 / bf16 / fp16; state_indices ``[N]`` int32 / int64
+    on the device (negative: zero start, nothing written; nothing read on the host, so a
+    CUDA graph may capture the call). Returns o ``[B, T, Hv, V]``."""
+    B, T = q.shape[:2]
+    Hv, V = v.shape[2:]
+    K = q.shape[3]
+    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(arch, q, k, g, beta, cu_seqlens,
+                                                       cu_seqlens_cpu)
+    o = alloc(B * T, Hv, V, dtype=q.dtype, device=q.device)
+    slots = state_indices.to(torch.int32)           # no copy when already int32
+    kernel = launcher(chunk_fwd_ws_kernel, arch, DTYPE_NAMES[q.dtype], K, V, True, False,
+                      False, False, False, POOL_DTYPE_NAMES[pool.dtype], v_first)
+    kernel(packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout.cu_seqlens,
+           layout.chunk_offsets, pool, float(scale), o, pool, no_h(q.device, Hv, K, V),
+           slots, slots, 0.0)                      # seq_start (unread) shares NW = N
+    return o.view(B, T, Hv, V)
 
 
 def prepared_fwd(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state, cu_seqlens,

@@ -16,6 +16,11 @@ configuration and are paid once here:
 The module's host code converts the tensors (DLPack), takes torch's current stream, sets
 the device from the tensors and launches; it is what a launch costs from here on (the
 same in both paths: the adapter sets no device or stream itself, TileLang 0.1.15).
+
+A fresh process gets each launcher from :mod:`flash_qla_tl.kernel_index` when the
+kernel was built before (the shipped cache, or an earlier process): the cached module
+is loaded without TileLang's front end, and TileLang is imported only for a kernel the
+index does not have (which is then built, or loaded from TileLang's cache, and indexed).
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import tilelang
-from tilelang.jit.adapter.tvm_ffi import TVMFFIKernelAdapter
+from . import kernel_index
 
 #: The TileLang release whose adapter :func:`_direct` was read against (the sm90 pin).
 _TILELANG = "0.1.15"
@@ -40,11 +44,20 @@ def launcher(builder: Callable, *static: Any) -> Callable:
     ``builder``: a ``tilelang.jit`` kernel builder (or any callable returning a launcher,
     e.g. a test's stub); ``static``: its static arguments (dtype name, dims, flags).
     The launcher is built once per (builder, arguments), as TileLang keys its own
-    in-memory kernels."""
+    in-memory kernels: from the kernel index when ``builder`` is a shipped builder
+    (:class:`flash_qla_tl.kernels.Builder`) whose variant it holds, else by calling
+    the builder (and indexing what it built)."""
     key = (id(builder), static)
     entry = _LAUNCHERS.get(key)
     if entry is None:
-        entry = _LAUNCHERS[key] = (builder, _direct(builder(*static)))
+        name = getattr(builder, "index_name", None)
+        module = kernel_index.load(name, static) if name else None
+        if module is None:
+            kernel = builder(*static)
+            if name:
+                kernel_index.record(name, static, kernel)
+            module = _direct(kernel)
+        entry = _LAUNCHERS[key] = (builder, module)
     return entry[1]
 
 
@@ -55,6 +68,9 @@ def _direct(kernel: Any) -> Callable:
     adapter = getattr(kernel, "adapter", None)
     if adapter is None or getattr(adapter, "result_idx", None):
         return kernel
+    import tilelang  # a TileLang kernel: its adapter is checked
+    from tilelang.jit.adapter.tvm_ffi import TVMFFIKernelAdapter
+
     if tilelang.__version__ != _TILELANG or not isinstance(adapter, TVMFFIKernelAdapter):
         return kernel
     return adapter._get_executable()

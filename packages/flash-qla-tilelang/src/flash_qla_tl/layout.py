@@ -25,6 +25,8 @@ from .kernels.traits import CHUNK
 
 #: torch dtype -> the dtype name the kernel builders take.
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: state-pool dtype -> its name (``chunk_fwd_ws_kernel``'s ``pool_dtype``).
+POOL_DTYPE_NAMES = {torch.float32: "float32", **DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,12 @@ def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
     if is_capturing(q.device):
         dense, varlen = dense.__wrapped__, varlen.__wrapped__        # uncached builders
     return dense(B, T, q.device) if cu_seqlens is None else varlen(cu_seqlens, B * T)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call when x already has it (a no-op ``to`` still
+    costs a dispatch, ~10 us of host time on the GPU hosts: docs/perf-notes.md)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

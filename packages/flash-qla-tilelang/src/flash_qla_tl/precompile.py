@@ -6,7 +6,9 @@ machine load on the H200 without compiling. ``python -m flash_qla_sm90.precompil
 (each arch package has such a module, calling :func:`main`) compiles every static
 variant the backend launches (:func:`variants`) into DIR; the package build copies that
 directory into the arch package's ``kernel_cache/``; on first load it is copied into a
-writable cache directory (TileLang writes staging folders next to its entries).
+writable cache directory (TileLang writes staging folders next to its entries). Every
+variant compiled is also entered in the kernel index (:mod:`flash_qla_tl.kernel_index`),
+which a fresh process loads kernels by.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from . import kernel_index
 from .arch import Arch
-from .kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-from .kernels.chunk_grads_fused import chunk_bwd_fused_kernel
-from .kernels.chunk_input_grads import chunk_bwd_intra_kernel
-from .kernels.chunk_state_grad import chunk_bwd_dh_ws_kernel
-from .kernels.chunk_state_output import chunk_fwd_ws_kernel
-from .kernels.group_sum import group_sum_kernel
-from .kernels.recurrent_step import recurrent_step_kernel
+from .kernels import (
+    chunk_bwd_dh_ws_kernel,
+    chunk_bwd_fused_kernel,
+    chunk_bwd_intra_kernel,
+    chunk_fwd_ws_kernel,
+    chunk_prepare_blocked_kernel,
+    group_sum_kernel,
+    recurrent_step_kernel,
+)
 from .kernels.traits import DTYPES, HEAD_DIMS
 
 
@@ -60,6 +65,9 @@ FWD_FLAGS = (
     (True, True, True, True),         # the bounded backward's recompute of h
 )
 
+#: State-pool dtypes of the prefill on a pool (``forward.pool_fwd``), both layouts each.
+POOL_DTYPES = ("float32", "bfloat16", "float16")
+
 #: ``chunk_bwd_dh_ws_kernel``'s flags after has_dht, as ``backward.state_grads`` passes
 #: them: (warmup, ds1_in_dtype, boundary).
 SWEEP_FLAGS = (
@@ -72,7 +80,8 @@ SWEEP_FLAGS = (
 def variants(arch: Arch):
     """Every (builder, static args) the backend launches on ``arch``, per dtype and head
     dims (the args start with ``arch``): the prepare, the forward's variants
-    (:data:`FWD_FLAGS`) x initial state, the sweep's (:data:`SWEEP_FLAGS`) x dht, the
+    (:data:`FWD_FLAGS`) x initial state, the forward on a state pool
+    (:data:`POOL_DTYPES` x both layouts), the sweep's (:data:`SWEEP_FLAGS`) x dht, the
     per-chunk gradient kernel, the GVA sum, the fused reverse kernel x dht (where
     ``arch.fused_backward``; else also no boundary sweep, which only feeds it), and the
     decode step x initial state; only the decode step where not ``arch.chunked``.
@@ -100,6 +109,10 @@ def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
     if arch.fused_backward:
         for has_dht in (False, True):
             yield chunk_bwd_fused_kernel, (arch, dtype, K, V, has_dht)
+    for pool_dtype in POOL_DTYPES:                       # prefill on a state pool
+        for v_first in (False, True):
+            yield chunk_fwd_ws_kernel, (arch, dtype, K, V, True, False, False, False, False,
+                                        pool_dtype, v_first)
 
 
 def _compile_slice(arches: tuple[Arch, ...], cache_dir: str, jobs: int, index: int) -> int:
@@ -111,7 +124,7 @@ def _compile_slice(arches: tuple[Arch, ...], cache_dir: str, jobs: int, index: i
     every = [entry for arch in arches for entry in variants(arch)]
     for i, (builder, args) in enumerate(every):
         if i % jobs == index:
-            builder(*args)
+            kernel_index.record(builder.index_name, args, builder(*args))
             count += 1
     return count
 

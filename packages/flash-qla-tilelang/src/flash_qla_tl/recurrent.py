@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .arch import Arch
-from .kernels.recurrent_step import recurrent_step_kernel
+from .kernels import recurrent_step_kernel
 from .launch import launcher
 from .layout import DTYPE_NAMES, dense_layout, packed
 

@@ -1,6 +1,9 @@
 """TileLang device code of the Hopper backend: one module per quantity computed.
 
-Importing this package imports nothing; each module below imports TileLang.
+Importing this package imports nothing; each module below imports TileLang. The host
+code names the builders through the :class:`Builder` handles at the end of this file,
+which import their module on first call: a process whose kernels all come from the
+kernel index (``flash_qla_tl.kernel_index``) never imports TileLang's front end.
 
 - ``chunk_cumsum_inverse``: the gate's chunk cumsum and the gate-free per-chunk inverse
   A = (I + strictly_lower(diag(beta) K K^T))^-1 (``chunk_prepare_blocked_kernel``);
@@ -24,3 +27,49 @@ The builders keep the names of their generated CUDA kernels (what a profiler sho
 The host code that launches them is one level up (``flash_qla_tl.forward``,
 ``flash_qla_tl.backward``); kernels never import it.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class Builder:
+    """A kernel builder named by its module and function, imported on first call.
+
+    ``Builder("chunk_state_output", "chunk_fwd_ws_kernel")(*static)`` is
+    ``chunk_state_output.chunk_fwd_ws_kernel(*static)``; ``index_name`` is what the
+    kernel index files the variants under."""
+
+    __slots__ = ("module", "function", "index_name", "_builder")
+
+    def __init__(self, module: str, function: str):
+        self.module, self.function = module, function
+        self.index_name = f"{module}.{function}"
+        self._builder = None
+
+    @property
+    def __name__(self) -> str:
+        return self.function
+
+    def resolve(self):
+        """The builder itself (imports its module, and with it TileLang)."""
+        if self._builder is None:
+            self._builder = getattr(importlib.import_module(f"{__name__}.{self.module}"),
+                                    self.function)
+        return self._builder
+
+    def __call__(self, *static: Any):
+        return self.resolve()(*static)
+
+    def __repr__(self) -> str:
+        return f"Builder({self.index_name})"
+
+
+chunk_prepare_blocked_kernel = Builder("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel")
+chunk_fwd_ws_kernel = Builder("chunk_state_output", "chunk_fwd_ws_kernel")
+chunk_bwd_dh_ws_kernel = Builder("chunk_state_grad", "chunk_bwd_dh_ws_kernel")
+chunk_bwd_intra_kernel = Builder("chunk_input_grads", "chunk_bwd_intra_kernel")
+chunk_bwd_fused_kernel = Builder("chunk_grads_fused", "chunk_bwd_fused_kernel")
+group_sum_kernel = Builder("group_sum", "group_sum_kernel")
+recurrent_step_kernel = Builder("recurrent_step", "recurrent_step_kernel")

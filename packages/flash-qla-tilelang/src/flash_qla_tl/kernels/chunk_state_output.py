@@ -78,7 +78,8 @@ AUX_BARRIER, STATE_BARRIER = 1, 2
 @arch_kernel(pass_configs={tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_state: bool,
                         store_h: bool, warmup: bool = False, h_in_dtype: bool = False,
-                        states_only: bool = False):
+                        states_only: bool = False, pool_dtype: str | None = None,
+                        pool_v_first: bool = False):
     """Build the forward for ``arch``, q/k/v dtype ``dtype``, K = V = 128.
 
     ``arch`` gives the chain's GEMMs (WGMMA, or mma.sync through ``T.gemm``: the same
@@ -102,7 +103,8 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
         final_state     [N, Hv, K, V]   fp32 out
         h_out           [NTh, Hv, K, V] fp32 (``dtype`` with ``h_in_dtype``) out,
                                         chunk-start states (written if store_h)
-        seq_start, seq_index  [NW]      int32, read only with ``warmup``
+        seq_start, seq_index  [NW]      int32, read only with ``warmup`` (seq_index
+                                        also with ``pool_dtype``: the slots)
         log_bound       fp32 scalar, read only with ``warmup``
 
     ``warmup`` (the bounded segment split, the rule of ``flash_qla.segments.
@@ -126,7 +128,17 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
 
     ``states_only`` (the backward's recompute of h): o is neither computed nor stored
     (``o`` is not touched): no q tiles, no Q K^T or P on the aux warpgroup, and the
-    state chain is three WGMMAs per chunk ((K S0)^T, U^T, (U^T D) K) instead of five."""
+    state chain is three WGMMAs per chunk ((K S0)^T, U^T, (U^T D) K) instead of five.
+
+    ``pool_dtype`` (an engine's state pool, ``flash_qla.chunk_gated_delta_rule(...,
+    state_indices=)``; not with ``warmup``): ``initial_state`` and ``final_state`` are one
+    pool ``[P, Hv, K, V]`` (``pool_v_first``: ``[P, Hv, V, K]``) in ``pool_dtype``, passed
+    twice and read and written through ``final_state`` only; ``seq_index[n]`` is sequence
+    n's slot. CTA (n, h) starts from ``pool[slot, h]`` (converted to fp32) and writes its
+    final state there, rounded to ``pool_dtype``; a negative slot starts from zeros and
+    writes nothing. Each element is read and later written by the same thread: slots
+    must be distinct (not checked here). The grid is taken from ``cu_seqlens``."""
+    assert pool_dtype is None or not warmup, "the state pool is not read by a split"
     C = CHUNK
     SLOTS = arch.slots
     assert SLOTS >= 2
@@ -142,6 +154,12 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     #: h in dtype leaves by TMA from a shared [K, V] tile (32 KB: fits beside the slots);
     #: fp32 h (64 KB) is stored from the registers
     stage_h = store_h and h_in_dtype
+    pool = pool_dtype is not None
+    state_dtype = pool_dtype if pool else f32
+    state_dims = (V, K) if pool_v_first else (K, V)
+    h0_shape = (N0, Hv, *state_dims)
+    final_shape = (N0 if pool else N, Hv, *state_dims)    # the pool's rows, or N
+    grid = (N1 - 1) * Hv if pool else N * Hv
 
     @T.macro
     def load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, t0, hk, h, c):
@@ -175,16 +193,16 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
         A: T.Tensor((Tt, Hv, C), dtype),
         cu_seqlens: T.Tensor((N1,), "int32"),
         chunk_offsets: T.Tensor((N1,), "int32"),
-        initial_state: T.Tensor((N0, Hv, K, V), f32),
+        initial_state: T.Tensor(h0_shape, state_dtype),
         scale: T.float32,
         o: T.Tensor((Tt, Hv, V), dtype),
-        final_state: T.Tensor((N, Hv, K, V), f32),
+        final_state: T.Tensor(final_shape, state_dtype),
         h_out: T.Tensor((NTh, Hv, K, V), h_dtype),
         seq_start: T.Tensor((NW,), "int32"),
         seq_index: T.Tensor((NW,), "int32"),
         log_bound: T.float32,
     ):
-        with T.Kernel(N * Hv, threads=384) as bx:
+        with T.Kernel(grid, threads=384) as bx:
             # SLOTS slots of everything the aux warpgroup prepares for one chunk
             q_s = T.alloc_shared((SLOTS, C, K), dtype)
             k_s = T.alloc_shared((SLOTS, C, K), dtype)
@@ -318,7 +336,17 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             with T.ws(0, 1):                                  # state: chunk c from its slot
                 if set_regs:
                     T.inc_max_nreg(STATE_REGS)
-                if has_initial_state and not warmup:
+                if pool:                                  # the sequence's pool slot
+                    src = T.alloc_var("int32", init=seq_index[n])
+                    if src >= 0:
+                        for i, j in T.Parallel(V, K):
+                            if pool_v_first:
+                                st[i, j] = T.cast(final_state[src, h, i, j], f32)
+                            else:
+                                st[i, j] = T.cast(final_state[src, h, j, i], f32)
+                    else:
+                        T.clear(st)
+                elif has_initial_state and not warmup:
                     for i, j in T.Parallel(V, K):
                         st[i, j] = initial_state[n, h, j, i]
                 elif has_initial_state:                   # the walk's start state
@@ -382,8 +410,17 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                             store_o(o, ot, scale, t0, rows, h)
                     elif not states_only:
                         store_o(o, ot, scale, t0, rows, h)
-                for i, j in T.Parallel(V, K):
-                    final_state[n, h, j, i] = st[i, j]
+                if pool:               # the slot reloaded: no register live in the chain
+                    dst = T.alloc_var("int32", init=seq_index[n])
+                    if dst >= 0:
+                        for i, j in T.Parallel(V, K):
+                            if pool_v_first:
+                                final_state[dst, h, i, j] = T.cast(st[i, j], state_dtype)
+                            else:
+                                final_state[dst, h, j, i] = T.cast(st[i, j], state_dtype)
+                else:
+                    for i, j in T.Parallel(V, K):
+                        final_state[n, h, j, i] = st[i, j]
                 if stage_h:
                     T.tma_store_wait()              # h_s read before the CTA's memory goes
 
