@@ -62,6 +62,12 @@ class Builder:
     def __call__(self, *static: Any):
         return self.resolve()(*static)
 
+    def __getattr__(self, name: str):
+        # the builder's own attributes (``program``, ``pass_configs``, ``cache_info``)
+        if name.startswith("__") or name in Builder.__slots__:
+            raise AttributeError(name)
+        return getattr(self.resolve(), name)
+
     def __repr__(self) -> str:
         return f"Builder({self.index_name})"
 
