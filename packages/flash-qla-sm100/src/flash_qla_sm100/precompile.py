@@ -12,8 +12,8 @@ from pathlib import Path
 SHIPPED = Path(__file__).resolve().parent / "kernel_cache"
 
 if __name__ == "__main__":
-    from flash_qla_tl.precompile import main
+    from flash_qla_tl.precompile import package_main
 
     from .arch import ARCHES
 
-    main({arch.name: (lambda arch=arch: arch) for arch in ARCHES}, default="all")
+    package_main(ARCHES)

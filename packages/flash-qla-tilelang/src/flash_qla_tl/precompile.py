@@ -161,3 +161,9 @@ def main(arches: dict[str, Callable[[], Arch]], default: str, argv=None) -> None
         parser.error(f"--arch: unknown {unknown}; known: {', '.join(arches)}")
     count = compile_all(tuple(arches[name]() for name in names), args.cache_dir, args.jobs)
     print(f"compiled {count} kernels ({', '.join(names)}) into {args.cache_dir}")
+
+
+def package_main(arches: tuple[Arch, ...], argv=None) -> None:
+    """:func:`main` for an arch package whose ``--arch`` names are its arches' own
+    (default: all of them, one cache entry per target)."""
+    main({arch.name: (lambda arch=arch: arch) for arch in arches}, default="all", argv=argv)
