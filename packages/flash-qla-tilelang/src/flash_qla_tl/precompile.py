@@ -163,7 +163,11 @@ def main(arches: dict[str, Callable[[], Arch]], default: str, argv=None) -> None
     print(f"compiled {count} kernels ({', '.join(names)}) into {args.cache_dir}")
 
 
-def package_main(arches: tuple[Arch, ...], argv=None) -> None:
-    """:func:`main` for an arch package whose ``--arch`` names are its arches' own
-    (default: all of them, one cache entry per target)."""
+def package_main(arch_module: str, argv=None) -> None:
+    """The command of an arch package's ``precompile`` module: compile the arches of
+    ``arch_module`` (its ``ARCHES``; ``--arch`` takes their names, default all, one
+    cache entry per target)."""
+    import importlib
+
+    arches = importlib.import_module(arch_module).ARCHES
     main({arch.name: (lambda arch=arch: arch) for arch in arches}, default="all", argv=argv)
