@@ -3,9 +3,10 @@
 Run it in a new process with the kernel cache filled (``TILELANG_CACHE_DIR``): it prints,
 in seconds, ``import torch``, the CUDA context, ``import flash_qla``, the backend's import
 (TileLang and the kernel modules), then the first forward and the first training step of
-one shape, with the time spent getting each kernel (from the kernel index, or the
-builder call: program built, cache key hashed, module loaded from disk) listed apart,
-and whether TileLang's Python package was imported.
+one shape (its forward and its backward timed apart), with the time spent getting each
+kernel (from the kernel index, or the builder call: program built, cache key hashed,
+module loaded from disk) and the modules each phase imported listed apart, and whether
+TileLang's Python package was imported.
 
 usage: python tools/first_use.py [--shape 4/8@1x8192] [--step-first]
 """
@@ -73,12 +74,24 @@ def main() -> None:
     impl.load({})
     a = impl.prepare(inp, {})
     a_grad = impl.prepare(inp, {}, requires_grad=True)
-    order = (("first training step", lambda: impl.fwd_bwd(a_grad, inp)),
-             ("first forward", lambda: impl.call(a)))
-    for name, fn in (order if args.step_first else order[::-1]):
-        n = len(builds)
+    outs = {}
+
+    def forward_with_grad():
+        outs["o"] = impl.canon(impl.call(a_grad), a_grad)
+
+    def backward():
+        torch.autograd.grad(outs.pop("o"), impl.leaves(a_grad), (inp["do"], inp["dht"]))
+
+    step = (("first training step: forward", forward_with_grad),
+            ("first training step: backward", backward))
+    first = (("first forward", lambda: impl.call(a)),)
+    for name, fn in (step + first if args.step_first else first + step):
+        n, before = len(builds), set(sys.modules)
         timed(name, fn)
         phases[f"  of which kernels got ({len(builds) - n})"] = sum(s for _, s in builds[n:])
+        new = sorted({m.split(".")[0] for m in set(sys.modules) - before})
+        print(f"{name}: {len(set(sys.modules) - before)} modules imported "
+              f"(packages: {', '.join(new) or 'none'})")
     timed("second training step", lambda: impl.fwd_bwd(a_grad, inp))
     phases["process total"] = time.perf_counter() - T0
     print(f"tilelang imported: {'tilelang' in sys.modules}")
