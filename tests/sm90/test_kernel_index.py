@@ -115,3 +115,17 @@ def test_index_off_builds_through_tilelang(indexed_cache, monkeypatch):
     assert kernel_index.load(VARIANT[0].index_name, VARIANT[1]) is None
     launch.launcher(*[VARIANT[0], *VARIANT[1]])
     assert "tilelang" in sys.modules
+
+
+@pytest.mark.nvcc
+def test_unloadable_entry_falls_back_to_tilelang(indexed_cache, monkeypatch):
+    """An indexed entry whose host module does not load (a truncated file, a missing
+    native runtime) is a miss, not an error: the launcher builds through TileLang."""
+    builder, static = VARIANT
+    assert kernel_index.load(builder.index_name, static) is not None
+
+    def broken(path):
+        raise RuntimeError("cannot load")
+    import tvm_ffi
+    monkeypatch.setattr(tvm_ffi, "load_module", broken)
+    assert kernel_index.load(builder.index_name, static) is None

@@ -120,7 +120,8 @@ def _load_runtime() -> None:
 
 def load(builder_name: str, static: tuple):
     """The host module of the indexed variant, callable with the kernel's arguments as
-    TileLang's tvm-ffi adapter calls it, or None (no index, no entry, entry gone)."""
+    TileLang's tvm-ffi adapter calls it, or None (no index, no entry, entry gone or
+    unloadable: the launcher then builds the kernel through TileLang)."""
     if not enabled():
         return None
     root = cache_root()
@@ -137,7 +138,10 @@ def load(builder_name: str, static: tuple):
             break
     else:
         return None
-    _load_runtime()
-    import tvm_ffi
+    try:                                   # a broken entry: TileLang's path decides
+        _load_runtime()
+        import tvm_ffi
 
-    return tvm_ffi.load_module(str(library))
+        return tvm_ffi.load_module(str(library))
+    except (ImportError, OSError, RuntimeError):
+        return None
