@@ -233,7 +233,8 @@ def test_missing_backend_error_names_device_backends_and_fix(install, gpu):
     assert "fake100 (fake-qla-blackwell 0.2.0): serves compute capability 10.0, 10.3" in msg
     assert "fake120 (fake-qla-rtx 0.0.1)" in msg
     assert "torch (flash-qla " in msg
-    assert 'Fix: pip install -e packages/flash-qla-sm90 (from a clone' in msg
+    assert ('Fix: pip install -e packages/flash-qla-tilelang -e packages/flash-qla-sm90 '
+            '(from a clone') in msg
     assert 'pip install "flash-qla[sm90]"' in msg
     assert f"{dispatch.ENV_VAR}=torch" in msg
 

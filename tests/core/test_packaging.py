@@ -209,8 +209,9 @@ def test_info_maps_gpus_to_backends_and_fixes():
     version = importlib.metadata.version("flash-qla-sm90").replace(".", r"\.")
     assert re.search(r"cuda:0\s+NVIDIA H200\s+compute capability 9\.0\s+141 GiB\s+"
                      rf"-> sm90 \(flash-qla-sm90 {version}\)", text), text
-    assert re.search(r'cuda:0 \(9\.0\): pip install -e \S*flash-qla-sm90 .*'
-                     r'pip install "flash-qla\[sm90\]".*  \[installed\]', text)
+    assert re.search(r'cuda:0 \(9\.0\): pip install -e \S*flash-qla-tilelang '
+                     r'-e \S*flash-qla-sm90 .*pip install "flash-qla\[sm90\]".*  \[installed\]',
+                     text), text
     assert re.search(r'cuda:1 \(10\.0\): pip install -e .*"flash-qla\[sm100\]".*  \[installed\]',
                      text)
     assert "no backend installed" in text

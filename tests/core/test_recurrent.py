@@ -80,6 +80,27 @@ def test_verify_tokens_varlen_with_state_pool(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_negative_slot_is_a_padding_row(device):
+    """As in the prefill on a pool: a sequence whose slot is negative starts from zeros
+    and writes no pool row (in particular not row P - 1, which a Python-style negative
+    index would hit); the named rows are read and updated as usual."""
+    q, k, v, g, beta, _ = _inputs(device, 3, 1, 2, 4, 3, seed=3)
+    K, V = q.shape[-1], v.shape[-1]
+    gen = torch.Generator().manual_seed(4)
+    pool = (0.1 * torch.randn(4, 4, K, V, generator=gen)).to(device)
+    before = pool.clone()
+    slots = torch.tensor([2, -1, 0], device=device, dtype=torch.int32)
+    o, _ = flash_qla.fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta=beta, initial_state=pool, state_indices=slots)
+    start = torch.stack([before[2], torch.zeros_like(before[0]), before[0]])
+    o_ref, ht_ref = _reference(q, k, v, g, beta, start)
+    tol = _dims(device)[3]
+    assert rel_l2(o, o_ref) < tol
+    assert rel_l2(pool[[2, 0]], ht_ref[[0, 2]]) < tol
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_continues_the_chunked_prefill(device):
     """Prefill T - 2 tokens with chunk_gated_delta_rule, then decode the last two one by
     one from its final state (v-first, as engines keep it): the same outputs and final

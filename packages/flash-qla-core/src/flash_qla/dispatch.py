@@ -252,7 +252,8 @@ def install_hint(capability: tuple[int, int]) -> str:
         return (f"no FlashQLA kernel package serves compute capability "
                 f"{capability[0]}.{capability[1]} (served: {served}); set {ENV_VAR}=torch "
                 f"to run the slow PyTorch reference")
-    return pip_command(extra, f"packages/flash-qla-{extra}")
+    # the shared TileLang kernels are not on an index yet either: the clone's copy
+    return pip_command(extra, f"packages/flash-qla-tilelang -e packages/flash-qla-{extra}")
 
 
 def _fmt_caps(caps: tuple[tuple[int, int], ...]) -> str:

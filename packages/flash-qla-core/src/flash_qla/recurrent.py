@@ -139,13 +139,16 @@ def fused_recurrent_gated_delta_rule(
                         output_final_state=output_final_state or pool)
     else:                                   # the torch backend: the reference recurrence
         from flash_qla.reference import recurrent_gated_delta_rule  # lazily: light import
+        from flash_qla.state_pool import gather_states, scatter_states
 
-        start = initial_state[state_indices.long()] if pool else initial_state
+        start = (gather_states(initial_state, state_indices, v_first=False,
+                               dtype=initial_state.dtype)            # zeros: padding
+                 if pool else initial_state)
         o, final = recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale,
                                               initial_state=start, cu_seqlens=cu_seqlens,
                                               output_final_state=True)
-        if pool:
-            initial_state[state_indices.long()] = final.to(initial_state.dtype)
+        if pool:                                  # padding rows (slot < 0) write nothing
+            scatter_states(initial_state, state_indices, final, v_first=False)
             final = initial_state
     if pool:
         return o, final

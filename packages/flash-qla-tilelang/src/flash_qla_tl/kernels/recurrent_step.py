@@ -30,10 +30,11 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
 
     Kernel arguments: q, k ``[Tt, Hk, K]`` dtype; v ``[Tt, Hv, V]`` dtype; g, beta
     ``[Tt, Hv]`` fp32 (g the per-token natural-log decay); cu_seqlens ``[N + 1]`` int32;
-    state_idx ``[N]`` int32 (the state slot of each sequence); h0 ``[P, Hv, K, V]`` fp32
-    (read at ``state_idx`` when ``has_h0``, else zeros); scale fp32; o ``[Tt, Hv, V]``
-    dtype; ht ``[P, Hv, K, V]`` fp32 (written at ``state_idx``). Tokens outside every
-    sequence are not written."""
+    state_idx ``[N]`` int32 (the state slot of each sequence; negative: a padding row,
+    started from zeros and never written back); h0 ``[P, Hv, K, V]`` fp32 (read at
+    ``state_idx`` when ``has_h0``, else zeros); scale fp32; o ``[Tt, Hv, V]`` dtype; ht
+    ``[P, Hv, K, V]`` fp32 (written at ``state_idx``). Tokens outside every sequence are
+    not written."""
     Tt, Hk, Hv, N, P = T.dynamic("Tt, Hk, Hv, N, P")
     BV = STEP_BLOCK_V
     accum = "float32"
@@ -56,7 +57,7 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
             n = bnh // Hv
             h = bnh % Hv
             hk = h // (Hv // Hk)
-            slot = state_idx[n]
+            slot = T.alloc_var("int32", init=state_idx[n])
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
             S = T.alloc_fragment((K, BV), accum)
@@ -65,11 +66,11 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
             q_s = T.alloc_shared((K,), accum)
             k_s = T.alloc_shared((K,), accum)
             v_s = T.alloc_shared((BV,), accum)
+            T.clear(S)
             if has_h0:
-                for i, j in T.Parallel(K, BV):
-                    S[i, j] = h0[slot, h, i, bv * BV + j]
-            else:
-                T.clear(S)
+                if slot >= 0:
+                    for i, j in T.Parallel(K, BV):
+                        S[i, j] = h0[slot, h, i, bv * BV + j]
             for t in T.serial(eos - bos):
                 tok = bos + t
                 for i in T.Parallel(K):
@@ -91,7 +92,8 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
                 T.reduce_sum(prod, col, dim=0)                      # S^T q
                 for j in T.Parallel(BV):
                     o[tok, h, bv * BV + j] = T.cast(col[j] * scale, dtype)
-            for i, j in T.Parallel(K, BV):
-                ht[slot, h, i, bv * BV + j] = S[i, j]
+            if slot >= 0:
+                for i, j in T.Parallel(K, BV):
+                    ht[slot, h, i, bv * BV + j] = S[i, j]
 
     return recurrent_step
