@@ -49,8 +49,8 @@ TOL = 2e-2  # relative error above which a peer's timing is flagged as a MISMATC
 # the core's dispatch.install_hint((9, 0)), spelled out: the benchmark must explain
 # itself where flash_qla is not installed (tests/test_scripts.py keeps the two equal)
 INSTALL_HINT = (
-    'pip install -e packages/flash-qla-sm90 (from a clone; after the 0.2 release: '
-    'pip install "flash-qla[sm90]")'
+    'pip install -e packages/flash-qla-tilelang -e packages/flash-qla-sm90 (from a clone; '
+    'after the 0.2 release: pip install "flash-qla[sm90]")'
 )
 NO_GPU_LINE = (
     "error: this benchmark needs a CUDA GPU (none is visible) and the kernels "

@@ -127,8 +127,8 @@ def main(argv=None):
             compile_kernels()
         except ImportError as e:
             print(f"tune_chunk_fwd.py --compile-only: needs flash-qla-sm90 and TileLang "
-                  f"(pip install -e packages/flash-qla-sm90; nvcc on PATH): {e}",
-                  file=sys.stderr)
+                  f"(pip install -e packages/flash-qla-tilelang -e packages/flash-qla-sm90; "
+                  f"nvcc on PATH): {e}", file=sys.stderr)
             return 2
         return 0
 
@@ -136,8 +136,8 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         print("tune_chunk_fwd.py: needs a CUDA GPU (sm_90) and flash-qla[sm90] (from a "
-              "clone: pip install -e packages/flash-qla-sm90; --compile-only works without "
-              "a GPU)", file=sys.stderr)
+              "clone: pip install -e packages/flash-qla-tilelang -e packages/flash-qla-sm90; "
+              "--compile-only works without a GPU)", file=sys.stderr)
         return 2
     return tune(args)
 
