@@ -66,6 +66,7 @@ from flash_qla.segments import (
     uses_warmup,
     warmup_bwd,
 )
+from flash_qla.utils import cast
 
 #: segment_len must keep chunk boundaries in place: a multiple of every backend's C.
 SEGMENT_MULTIPLE = CHUNK
@@ -402,9 +403,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             q, k, v, g_cumsum, beta, A, do, dht=dht, scale=ctx.scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu, **kept)
-        dg = dg if dg.dtype == ctx.g_dtype else dg.to(ctx.g_dtype)
-        dbeta = dbeta if dbeta.dtype == ctx.beta_dtype else dbeta.to(ctx.beta_dtype)
-        return (dq, dk, dv, dg, dbeta, dh0,
+        return (dq, dk, dv, cast(dg, ctx.g_dtype), cast(dbeta, ctx.beta_dtype), dh0,
                 None, None, None, None, None, None, None, None)
 
 

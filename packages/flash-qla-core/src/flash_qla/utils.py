@@ -65,6 +65,13 @@ def _same_argument(a: Any, b: Any, b_version: int | None) -> bool:
         return False
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without the call when x already has that dtype: a no-op ``to``
+    still costs a dispatch (~10 us of host time per call on the GPU hosts,
+    docs/perf-notes.md), and the host path makes several per training step."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def tensor_cache(fn: F) -> F:
     """Cache the most recent call of ``fn``, keyed on the identity of its tensors.
 

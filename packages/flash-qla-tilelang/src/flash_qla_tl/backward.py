@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from flash_qla.utils import cast
+
 from . import plan
 from .arch import Arch
 from .forward import state_output
@@ -35,7 +37,6 @@ from .launch import launcher
 from .layout import (
     DTYPE_NAMES,
     ChunkLayout,
-    cast,
     layout_for,
     packed,
     sm_count,

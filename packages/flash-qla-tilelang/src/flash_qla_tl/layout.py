@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flash_qla.utils import tensor_cache
+from flash_qla.utils import cast, tensor_cache
 from flash_qla.validation import is_capturing
 
 from .kernels.traits import CHUNK
@@ -112,16 +112,10 @@ def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
     return dense(B, T, q.device) if cu_seqlens is None else varlen(cu_seqlens, B * T)
 
 
-def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)`` without the call when x already has it (a no-op ``to`` still
-    costs a dispatch, ~10 us of host time on the GPU hosts: docs/perf-notes.md)."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
 def packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[B, T, ...] -> contiguous [B*T, ...], optionally cast."""
     x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    return (x if dtype is None or x.dtype == dtype else x.to(dtype)).contiguous()
+    return (x if dtype is None else cast(x, dtype)).contiguous()
 
 
 def static_flags(*flags: bool) -> tuple[bool, ...]:
