@@ -259,6 +259,7 @@ class _DevicePlan:
     ends: Tensor            # [N] long: segments per sequence
     cu_cpu: None = None     # no host offsets
     any_empty: bool = True  # unknown on the host: the final-state gather always checks
+    last_run: int = -1      # unknown on the host: the final states are gathered
 
 
 def _device_plan(cu_seqlens: Tensor, num_tokens: int, segment_len: int) -> _DevicePlan:
@@ -477,8 +478,7 @@ def warmup_fwd(kernels, q, k, v, g, beta, *, scale: float, initial_state: Tensor
         cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound), **keep)
     final_state = None
     if output_final_state:                             # the last segment's, per sequence
-        final_state = _rows(final_seg, plan.last_seg,                    # [N,Hv,K,V]
-                            getattr(plan, "last_run", -1), plan.N)
+        final_state = _rows(final_seg, plan.last_seg, plan.last_run, plan.N)  # [N,Hv,K,V]
         if plan.any_empty:                             # no segment: h0 (or zeros) as is
             empty = (plan.ends == 0)[:, None, None, None]
             fill = (final_state.new_zeros(()) if initial_state is None
