@@ -1310,6 +1310,7 @@ def host_wall(fn, iters: int) -> dict:
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
+    held = host_behind_sleep(fn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -1321,7 +1322,30 @@ def host_wall(fn, iters: int) -> dict:
     # notice that the debug mode is a prototype
     syncs = [str(w.message).splitlines()[0] for w in caught
              if "synchronizing cuda operation" in str(w.message).lower()]
-    return {"wall_us": statistics.median(samples), "syncs": syncs}
+    return {"wall_us": statistics.median(samples), "syncs": syncs, **held}
+
+
+def host_behind_sleep(fn, calls: int = 10, sleep_ms: float = 200.0) -> dict:
+    """The host's own cost of a call with the GPU out of the way: ``calls`` calls issued
+    while the stream is still busy with a ``torch.cuda._sleep`` of ``sleep_ms``, so no
+    call waits for the GPU unless it synchronises. ``held_us``: wall per call;
+    ``held_synced``: whether the calls outlasted the sleep (a call waited for the GPU:
+    a host sync, or a full launch queue), which makes ``held_us`` the GPU's time instead."""
+    import torch
+
+    torch.cuda.synchronize()
+    # cycles at the SM clock (MHz from the device properties; 1.98 GHz on the H200)
+    clock_mhz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) / 1e3 or 1980
+    start = time.perf_counter()
+    torch.cuda._sleep(int(sleep_ms * 1e3 * clock_mhz))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    slept = (time.perf_counter() - start) * 1e3
+    return {"held_us": (t1 - t0) / calls * 1e6,
+            "held_synced": (t1 - start) * 1e3 >= min(sleep_ms, slept) * 0.95}
 
 
 def fla_cache_results(tuning: str) -> str:

@@ -9,7 +9,9 @@
 #            (default --dense-batch)
 #   first    tools/first_use.py in fresh processes (first forward / first training step)
 #   host     tools/host_cost.py (host wall and GPU time per call) for each of HOST_IMPLS
-#            (default: ours flashqla fla) on HOST_SHAPES, forward and training step
+#            (default: ours flashqla fla) on HOST_SHAPES, forward and training step;
+#            HOST_ARGS: more options (e.g. --dense-batch); HOST_TRACE=1: torch profiler
+#            timelines too (in results.tar.xz)
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (for the next call's carry)
 # Results: $OUT/results.tar.xz, tables printed last. Usage, on the H200, repo root:
 #   STAGES="compile tests cache" bash tools/h200_dropin.sh
@@ -23,6 +25,7 @@ has() { [[ " $STAGES " == *" $1 "* ]] && (( BUDGET - SECONDS > 20 )); }
 cap() { local left=$(( BUDGET - SECONDS - 15 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
 CACHE=/tmp/tilelang-cache; mkdir -p "$CACHE"
 [ -d .offline-gpu/tilelang-cache ] && cp -r .offline-gpu/tilelang-cache/. "$CACHE"/
+[ -f .offline-gpu/tilelang-cache.tar.xz ] && tar xJf .offline-gpu/tilelang-cache.tar.xz -C "$CACHE"
 export TILELANG_CACHE_DIR=$CACHE
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if has compile; then
@@ -66,6 +69,7 @@ if has host; then   # one process per implementation and call: host timings alon
     for step in "" --fwd-bwd; do
       f="$R/host-$impl${step:+-step}.txt"
       FLA_CACHE_RESULTS=1 timeout "$(cap 120)" python3 tools/host_cost.py --impl "$impl" $FQ $step \
+        ${HOST_ARGS:-} ${HOST_TRACE:+--trace "$R/trace-$impl${step:+-step}"} \
         --profile-top 15 --shapes "${HOST_SHAPES:-2/8@1x8192,4/8@1x8192,16/32@$S6}" > "$f" 2>&1
       echo "host $impl ${step:-fwd}: rc=$?"
     done

@@ -2,7 +2,9 @@
 
 For each shape (benchmark inputs, ``benchmark/common.make_inputs``; the backend's
 automatic split), prints: the wall time of one ``chunk_gated_delta_rule`` call without a
-sync (the host's cost while the GPU runs behind), the GPU time of the same call (CUDA
+sync, the host's own cost per call with the GPU held busy by a sleep kernel (no call
+waits for it unless it syncs: ``(waited)``) and the host syncs of one call (torch's sync
+debug mode), the GPU time of the same call (CUDA
 events around 20 calls, synchronised), the host cost of each TileLang launch alone (the
 last call's arguments replayed; ours only), and the top Python functions by own time
 (``cProfile``, 200 calls). ``--backward``: the same for the backward of ours (the
@@ -122,6 +124,9 @@ def main() -> None:
                     help="the backward of ours instead of the forward (wall, GPU, cProfile)")
     ap.add_argument("--fwd-bwd", action="store_true",
                     help="the training step (forward + autograd.grad) instead of the forward")
+    ap.add_argument("--dense-batch", action="store_true",
+                    help="BxT layouts as dense [B, T] batches (no cu_seqlens), as the "
+                         "benchmark's --dense-batch")
     ap.add_argument("--trace", type=Path,
                     help="folder for the torch profiler's timeline of each shape (json.gz)")
     args = ap.parse_args()
@@ -133,7 +138,8 @@ def main() -> None:
         print("error: tools/host_cost.py times CUDA launches and needs a CUDA GPU (none is "
               "visible)", file=sys.stderr)
         sys.exit(2)
-    ctx = {"flashqla_path": args.flashqla_path, "fla_tune_rep_ms": args.fla_tune_rep_ms}
+    ctx = {"flashqla_path": args.flashqla_path, "fla_tune_rep_ms": args.fla_tune_rep_ms,
+           "dense_batch": args.dense_batch}
     impl = C.IMPLS[args.impl]()
     impl.load(ctx)
     recorders = {}
@@ -160,7 +166,11 @@ def main() -> None:
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-        row = {"shape": spec, "api wall us": _wall_us(call)}
+        wall = C.host_wall(call, 200)
+        row = {"shape": spec, "api wall us": wall["wall_us"],
+               "host us (GPU held)": (f"{wall['held_us']:.1f}"
+                                      + (" (waited)" if wall["held_synced"] else "")),
+               "syncs": len(wall["syncs"])}
         if not grads:
             row["api wall us (grad)"] = _wall_us(functools.partial(impl.call, a_grad))
         row["gpu us"] = _gpu_us(call)

@@ -87,10 +87,12 @@ class Kernels(Protocol):
     # Optional: ``fwd_warmup(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
     # cu_seqlens_cpu, starts) -> (g_cumsum, A, o, final_state)``: the bounded segment
     # split in one pass (``flash_qla.segments.warmup_fwd``): ``cu_seqlens`` holds the
-    # segments, ``starts`` (a ``flash_qla.segments.WalkStarts``) is the walk rule:
-    # ``starts(g_cumsum)`` returns ``(walk, h0_from)`` ``[Nseg, Hv]`` int32 (where each
-    # (segment, head) starts its recurrence, and from which sequence's initial state, -1
-    # for zero), or a kernel searches the same walks itself from ``starts.seq_start``,
+    # segments of the ``B * T`` tokens of ``[B, T, ...]`` inputs taken as packed (a dense
+    # batch is passed as is; outputs in the inputs' ``[B, T]``), ``starts`` (a
+    # ``flash_qla.segments.WalkStarts``) is the walk rule: ``starts(g_cumsum)`` returns
+    # ``(walk, h0_from)`` ``[Nseg, Hv]`` int32 (where each (segment, head) starts its
+    # recurrence, and from which sequence's initial state, -1 for zero), or a kernel
+    # searches the same walks itself from ``starts.seq_start``,
     # ``starts.seq_index`` and ``starts.log_bound``; o is stored only from each
     # segment's start; final_state ``[Nseg, Hv, K, V]`` is every segment's.
     # Optional, with it: ``searches_walks = True``: ``fwd_warmup`` never calls
@@ -111,10 +113,11 @@ class Kernels(Protocol):
     # Optional, with it: ``bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, dht, scale,
     # initial_state, cu_seqlens, cu_seqlens_cpu, starts, ends) -> (dq, dk, dv, dbeta, dg,
     # dh0)``: the backward of that split (``flash_qla.segments.warmup_bwd``), on the same
-    # segments; ``starts`` as above (the chunk states are recomputed by the same forward
-    # walks), ``ends`` (a ``flash_qla.segments.WalkEnds``) the rule of the reverse walks
-    # (each segment's dS sweep starts after its end at the first chunk boundary where the
-    # gates decayed below ``ends.log_bound``, from a zero dS, or at its sequence's end
+    # segments (``[B, T, ...]`` inputs and gradients, as ``fwd_warmup``); ``starts`` as
+    # above (the chunk states are recomputed by the same forward walks), ``ends`` (a
+    # ``flash_qla.segments.WalkEnds``) the rule of the reverse walks (each segment's dS
+    # sweep starts after its end at the first chunk boundary where the gates decayed
+    # below ``ends.log_bound``, from a zero dS, or at its sequence's end
     # from dht); dh0 ``[Nseg, Hv, K, V]`` per segment (None without an initial state).
 
 

@@ -150,6 +150,10 @@ _unavailable: dict[str, NotImplementedError] = {}  # backends whose loader said 
 _capabilities: dict[int, tuple[int, int]] = {}
 # (device index, requested name or None, K, V, dtype name) -> (spec, kernels)
 _picked: dict[tuple[int, str | None, int, int, str], tuple[BackendSpec, Any]] = {}
+#: The API's picks per (device, K, V, dtype, backend=, FLASH_QLA_BACKEND, fp64 inputs),
+#: checked against the call's dims and dtypes (``flash_qla.api``): a repeated call skips
+#: the lookup and the checks.
+call_picks: dict[tuple, tuple[BackendSpec, Any]] = {}
 _warned_failures = False
 
 #: When not None, entry points are read only from distributions found on these paths
@@ -230,6 +234,7 @@ def clear_cache() -> None:
         _unavailable.clear()
         _capabilities.clear()
         _picked.clear()
+        call_picks.clear()
 
 
 # --------------------------------------------------------------------------------------

@@ -631,8 +631,16 @@ class _TorchKernels:
                    cu_seqlens_cpu, starts):
         """See ``Kernels.fwd_warmup`` (the bounded segment split): every (segment,
         value head) run as its own sequence from its walk start, one reference call per
-        pair (slow; the semantics the kernels are checked against). Inputs packed
-        ``[1, T, ...]``; ``cu_seqlens`` the segments."""
+        pair (slow; the semantics the kernels are checked against). Inputs ``[B, T,
+        ...]`` taken as ``B * T`` packed tokens; ``cu_seqlens`` the segments."""
+        B, T = q.shape[:2]
+        if B != 1:                                  # packed [1, B T] views, and back
+            g_cumsum, A, o, final = self.fwd_warmup(
+                *(x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)),
+                scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=cu_seqlens_cpu, starts=starts)
+            return (g_cumsum.view(B, T, *g_cumsum.shape[2:]), A.view(B, T, *A.shape[2:]),
+                    o.view(B, T, *o.shape[2:]), final)
         g_cumsum, A = self.fwd(q, k, v, g, beta, scale=scale, initial_state=None,
                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                output_final_state=False, output_h=False)[:2]

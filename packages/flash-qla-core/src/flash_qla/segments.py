@@ -510,10 +510,9 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
                            initial_state=initial_state, cu_seqlens=cu_seqlens,
                            cu_seqlens_cpu=cu_seqlens_cpu)
     plan = _plan_for(bounds, segment_len, q.device)
-    packed = [_with_batch(x, 1, B * T) for x in (q, k, v, g_cumsum, beta, A, do)]
-    *grads, dh0_seg = kernels.bwd_warmup(
-        *packed, dht=dht, scale=scale, initial_state=initial_state, cu_seqlens=plan.cu,
-        cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound),
+    *grads, dh0_seg = kernels.bwd_warmup(           # [B, T] tensors as is (no views)
+        q, k, v, g_cumsum, beta, A, do, dht=dht, scale=scale, initial_state=initial_state,
+        cu_seqlens=plan.cu, cu_seqlens_cpu=plan.cu_cpu, starts=WalkStarts(plan, shortcut_bound),
         ends=WalkEnds(plan, shortcut_bound), **kept)
     dh0 = None
     if initial_state is not None:                    # each sequence's first segment
@@ -521,7 +520,7 @@ def warmup_bwd(kernels, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_s
         if plan.any_empty:                           # no tokens: dh0 = dht (or 0)
             empty = (plan.ends == 0)[:, None, None, None]
             dh0 = torch.where(empty, dh0.new_zeros(()) if dht is None else dht, dh0)
-    return (*(_with_batch(x, B, T) for x in grads), dh0)
+    return (*grads, dh0)
 
 
 def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
@@ -540,7 +539,6 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
     (``Kernels.searches_walks``). A capture of anything else (the exact split, or a
     varlen batch on another backend): ValueError."""
     B, T = q.shape[:2]
-    packed = [_with_batch(x, 1, B * T) for x in (q, k, v, g, beta)]
     capturing = is_capturing(q.device)
     warm = uses_warmup(kernels, shortcut_bound) and not output_h
     if capturing and not (warm and (cu_seqlens is None or searches_walks(kernels))):
@@ -558,13 +556,12 @@ def fwd_with_segments(kernels, q, k, v, g, beta, *, scale, initial_state, cu_seq
             raise ValueError(f"segment_len: a dense input without tokens is not split "
                              f"inside CUDA-graph capture, got {segment_len}")
         plan = _plan_for(bounds, segment_len, q.device) if bounded else None
-    if plan is not None:                             # the bounded split, one pass
-        g_cumsum, A, o, states, final_state = warmup_fwd(
-            kernels, *packed, scale=scale, initial_state=initial_state, plan=plan,
-            output_final_state=output_final_state, shortcut_bound=shortcut_bound,
-            keep_states=keep_states)
-        return (_with_batch(g_cumsum, B, T), _with_batch(A, B, T), _with_batch(o, B, T),
-                states, final_state)                     # states in the backend's packing
+    if plan is not None:       # the bounded split, one pass, on the [B, T] tensors as is
+        return warmup_fwd(kernels, q, k, v, g, beta, scale=scale,
+                          initial_state=initial_state, plan=plan,
+                          output_final_state=output_final_state,
+                          shortcut_bound=shortcut_bound, keep_states=keep_states)
+    packed = [_with_batch(x, 1, B * T) for x in (q, k, v, g, beta)]
     g_cumsum, A, o, h, final_state = segmented_fwd(
         kernels, *packed, scale=scale, initial_state=initial_state, bounds=bounds,
         output_final_state=output_final_state, output_h=output_h, segment_len=segment_len)

@@ -221,8 +221,10 @@ def check_cu_seqlens_values(name: str, values: Sequence[int], T: int) -> None:
 
 
 def is_capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of ``device``."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured on the current stream of ``device``
+    (torch.cuda.is_current_stream_capturing's query, called directly: several calls per
+    training step)."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def check_cu_seqlens(
@@ -362,7 +364,52 @@ def validate_forward(
     values: bool = True,
 ) -> int:
     """Every forward input check, in a fixed order; returns N (sequences).
-    ``host_read``, ``values``: see :func:`check_cu_seqlens`."""
+    ``host_read``, ``values``: see :func:`check_cu_seqlens`. An eager call (``values``)
+    whose tensors' types, shapes, dtypes and devices match a call that passed runs only
+    the checks of the offsets' values (the others would pass again: :data:`_PASSED`)."""
+    key = _signature(values, v_first, gate_name, q, k, v, g, beta, initial_state,
+                     cu_seqlens)
+    if key is not None and key in _PASSED:
+        N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, host_read=host_read,
+                             values=values)
+        if (key, N) in _PASSED:
+            return N
+    N = _validate_forward(q, k, v, g, beta, initial_state=initial_state,
+                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                          v_first=v_first, gate_name=gate_name, host_read=host_read,
+                          values=values)
+    if key is not None:
+        if len(_PASSED) > 256:                  # bounded: a process sees few signatures
+            _PASSED.clear()
+        _PASSED.update((key, (key, N)))
+    return N
+
+
+#: Signatures of forward calls that passed :func:`validate_forward` (each with and
+#: without the N it passed with: the state's check depends on N).
+_PASSED: set = set()
+
+
+def _signature(values: bool, *parts) -> tuple | None:
+    """What the forward checks other than the offsets' values read of a call: each
+    tensor's type, shape, dtype and device (None: absent), plus the options; None when
+    not an eager call (``values`` False: shapes may be symbolic) or when a part is not a
+    tensor (the full checks then say what is wrong)."""
+    if not values:
+        return None
+    key = []
+    for x in parts:
+        if x is None or isinstance(x, (bool, str)):
+            key.append(x)
+        elif type(x) is torch.Tensor:
+            key.append((x.shape, x.dtype, x.device))
+        else:
+            return None
+    return tuple(key)
+
+
+def _validate_forward(q, k, v, g, beta, *, initial_state, cu_seqlens, cu_seqlens_cpu,
+                      v_first, gate_name, host_read, values) -> int:
     for name, x in (("q", q), ("k", k), ("v", v), (gate_name, g), ("beta", beta)):
         check_is_tensor(name, x)
     check_is_tensor("initial_state", initial_state, optional=True)
