@@ -3,7 +3,8 @@
 ours (``flash_qla.fused_recurrent_gated_delta_rule``, sm90 ``recurrent_step``) beside
 FLA's ``fused_recurrent_gated_delta_rule`` (Triton), same inputs, CUDA-graph replay
 times (a decode step is launch-bound eagerly) and both outputs against the fp64
-recurrence. Prints one table; ``--out FILE`` also writes it as JSON.
+recurrence; also on an engine's state pool (ours through ``state_indices``, FLA with a
+gather and a scatter). Prints one table; ``--out FILE`` also writes it as JSON.
 
     python benchmark/bench_decode.py [--seqs 32,256] [--tokens 1,4] [--heads 16/32]
 """
@@ -43,11 +44,48 @@ def _rel(x, ref) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
+def _pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen) -> dict:
+    """The same step on an engine's state pool ``[2N, Hv, K, V]`` fp32 (slots a random
+    permutation): ours through ``state_indices`` (read and written in place), FLA by a
+    gather and a scatter around its call. Each graph replay updates the pool, so the
+    error is checked on a first eager call from a fresh copy."""
+    N = q.shape[0]
+    slots = torch.randperm(2 * N, generator=gen)[:N].cuda()
+    pool = torch.zeros(2 * N, *h0.shape[1:], device="cuda")
+    pool[slots] = h0
+    fresh = pool.clone()
+
+    def ours():
+        return flash_qla.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta=beta, initial_state=pool, output_final_state=True,
+            state_indices=slots)[0]
+
+    row = {"pool ours ms": _graph_ms(ours)}
+    pool.copy_(fresh)
+    row["pool ours err"] = _rel(ours(), ref)
+    if fla_step is not None:
+        def theirs():
+            o, ht = fla_step(q, k, v, g, beta=beta, initial_state=pool[slots],
+                             output_final_state=True)
+            pool[slots] = ht
+            return o
+
+        row["pool FLA ms"] = _graph_ms(theirs)
+        pool.copy_(fresh)
+        row["pool FLA err"] = _rel(theirs(), ref)
+        row["pool ours vs FLA"] = row["pool FLA ms"] / row["pool ours ms"]
+    return row
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", default="32,256", help="sequences per step (comma list)")
     p.add_argument("--tokens", default="1,4", help="tokens per sequence (comma list)")
     p.add_argument("--heads", default="16/32", help="Hk/Hv (comma list)")
+    p.add_argument("--no-pool", action="store_true",
+                   help="skip the state-pool rows (an engine's pool of 2N slots: ours reads "
+                        "and writes it in place through state_indices, FLA by a gather "
+                        "and a scatter around its call, both in the graph)")
     p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args(argv)
     import flash_qla
@@ -82,6 +120,8 @@ def main(argv=None) -> None:
                     row["FLA ms"] = _graph_ms(theirs)
                     row["FLA err"] = _rel(theirs()[0], ref)
                     row["ours vs FLA"] = row["FLA ms"] / row["ours ms"]
+                if not args.no_pool:
+                    row.update(_pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen))
                 rows.append(row)
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     if args.out:

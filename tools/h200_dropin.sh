@@ -6,7 +6,12 @@
 #   ptests   pytest on each ";"-separated group of TEST_GROUPS, side by side (one GPU)
 #   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes; default: README's rows) with
 #            PEERS, one worker per implementation and mode; BENCH_ARGS: options
-#            (default --dense-batch)
+#            (default --dense-batch); FWD_TAG / BWD_TAG: results file
+#            stems (default H200-fwd / H200-bwd)
+#   proof    pytest on PROOF_TESTS under FLASH_QLA_PROOF_ARCH=${PROOF_ARCH:-sm100} (the
+#            Blackwell kernels' Hopper build; needs them in the cache), side by side with
+#            ptests when both are asked for
+#   decode   benchmark/bench_decode.py (DECODE_ARGS) -> decode.json
 #   first    tools/first_use.py in fresh processes (first forward / first training step)
 #   host     tools/host_cost.py (host wall and GPU time per call) for each of HOST_IMPLS
 #            (default: ours flashqla fla) on HOST_SHAPES, forward and training step;
@@ -46,6 +51,11 @@ S6=seqs=5000+3000+2500+2000+2384+1500
 S64=seqs=$(python3 -c "print('+'.join(str(200 + (i * 131) % 700) for i in range(64)))")
 FWD_ROWS=${FWD_ROWS:-"fwd:4/8@1x65536,fwd:16/64@1x24576,fwd:16/32@$S6,fwd:2/4@$S64"}
 BWD_ROWS=${BWD_ROWS:-"bwd:4/8@1x65536,bwd:16/64@1x24576,bwd:16/32@$S6,bwd:2/4@$S64,bwd:8/16@4x4096"}
+if has proof; then
+  FLASH_QLA_PROOF_ARCH=${PROOF_ARCH:-sm100} timeout "$(cap ${TEST_TIMEOUT:-300})" \
+    python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${PROOF_TESTS:-tests/sm90} \
+    > "$R/proof-tests.txt" 2>&1 &
+fi
 if has ptests; then   # TEST_GROUPS: ";"-separated pytest targets, run side by side on the GPU
   IFS=';' read -ra groups <<< "${TEST_GROUPS:-tests}"
   i=0
@@ -54,8 +64,14 @@ if has ptests; then   # TEST_GROUPS: ";"-separated pytest targets, run side by s
       --durations=3 $g > "$R/gpu-tests-$i.txt" 2>&1 &
     i=$((i + 1))
   done
-  wait
-  for f in "$R"/gpu-tests-*.txt; do echo "$f: $(tail -1 "$f")"; done
+fi
+wait
+for f in "$R"/gpu-tests-*.txt; do [ -f "$f" ] && echo "$f: $(tail -1 "$f")"; done
+[ -f "$R/proof-tests.txt" ] && echo "proof: $(tail -1 "$R/proof-tests.txt")"
+if has decode; then
+  timeout "$(cap 120)" python3 benchmark/bench_decode.py --out "$R/decode.json" ${DECODE_ARGS:-} \
+    > "$R/decode.txt" 2>&1
+  echo "decode: rc=$?"
 fi
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
 B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} --peers ${PEERS:-host-offsets,fla-routed,flashqla} ${BENCH_ARGS:---dense-batch}"
@@ -76,11 +92,11 @@ if has host; then   # one process per implementation and call: host timings alon
   done
 fi
 if has fwd; then
-  timeout "$(cap ${FWD_TIMEOUT:-240})" $B --mode fwd --shapes "$FWD_ROWS" --tag H200-fwd \
+  timeout "$(cap ${FWD_TIMEOUT:-240})" $B --mode fwd --shapes "$FWD_ROWS" --tag "${FWD_TAG:-H200-fwd}" \
     --deadline-s "$(cap 200)" > "$R/fwd.txt" 2>&1
 fi
 if has bwd; then
-  timeout "$(cap ${BWD_TIMEOUT:-300})" $B --mode bwd --shapes "$BWD_ROWS" --tag H200-bwd \
+  timeout "$(cap ${BWD_TIMEOUT:-300})" $B --mode bwd --shapes "$BWD_ROWS" --tag "${BWD_TAG:-H200-bwd}" \
     --deadline-s "$(cap 260)" > "$R/bwd.txt" 2>&1
 fi
 if has cache; then
@@ -90,4 +106,6 @@ tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in "$R"/gpu-tests*.txt; do [ -f "$f" ] && grep -E "^FAILED|^ERROR|passed|failed" "$f" | tail -8; done
 for f in "$R"/first-use*.txt; do [ -f "$f" ] && { echo "== $f"; tail -12 "$f"; }; done
 for f in "$R"/host-*.txt; do [ -f "$f" ] && { echo "== $f"; tail -5 "$f"; }; done
+[ -f "$R/proof-tests.txt" ] && grep -E "^FAILED|^ERROR|Error|passed|failed" "$R/proof-tests.txt" | tail -30
+[ -f "$R/decode.txt" ] && tail -15 "$R/decode.txt"
 for f in "$R"/fwd.txt "$R"/bwd.txt; do [ -f "$f" ] && tail -40 "$f"; done

@@ -176,11 +176,13 @@ def main() -> None:
         row["gpu us"] = _gpu_us(call)
         row.update(_launch_costs(recorders))
         if recorders:
+            from flash_qla_sm90.arch import SM90
+
             row["ws launcher lookup us"] = _wall_us(functools.partial(
-                launcher, recorders["ws"].builder, "bfloat16", 128, 128, True, False,
+                launcher, recorders["ws"].builder, SM90, "bfloat16", 128, 128, True, False,
                 True))
             row["prepare launcher lookup us"] = _wall_us(functools.partial(
-                launcher, recorders["prepare"].builder, "bfloat16", 128))
+                launcher, recorders["prepare"].builder, SM90, "bfloat16", 128))
         rows.append(row)
         prof = cProfile.Profile()
         prof.enable()
