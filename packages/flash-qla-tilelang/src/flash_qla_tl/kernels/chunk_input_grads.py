@@ -95,7 +95,10 @@ def chunk_bwd_intra_kernel(arch: Arch, dtype: str, K: int, V: int):
     sum) they are row sums of transposed products: ``dAg^T = X dU^T`` times G and A read
     transposed from shared memory, and dGG's columns as ``beta_j`` times dbeta's
     first term (the M * A part) plus the rows of ``dP^T = scale U dO^T`` times P read
-    transposed (``P = G * tril(Q K^T)`` in q's dtype: the dP * G * Q K^T part).
+    transposed (``P = G * tril(Q K^T)`` in q's dtype: the dP * G * Q K^T part). The
+    row sums then read the same rounded P (not ``G * Q K^T`` in fp32), so that each
+    diagonal term ``dGG_ii``, in both sums, cancels exactly in ``dgam_i``: under strong
+    decay dgam is tiny and a diagonal rounded two ways (P's bf16 step, 2^-9) swamped it.
     """
     C = CHUNK
     gemm = mma(arch)                 # products waited for by ``wait`` (WGMMA)
@@ -325,10 +328,16 @@ def chunk_bwd_intra_kernel(arch: Arch, dtype: str, K: int, V: int):
                 gemm(a_shared, m_shared, am_frag, transpose_A=True,
                              clear_accum=True)                                        # A^T M
                 wait(2)                                                       # dP
-                for i, j in T.Parallel(C, C):
-                    dpg = cc_frag[i, j] * scale * T.cast(dpg_shared[i, j], f32)         # * G
-                    cc_frag[i, j] = dpg
-                    dgg_frag[i, j] = dgg_frag[i, j] + dpg * qk_frag[i, j]
+                if transposed:       # dGG reads the P the column sums read (see above)
+                    for i, j in T.Parallel(C, C):
+                        dp = cc_frag[i, j] * scale
+                        cc_frag[i, j] = dp * T.cast(dpg_shared[i, j], f32)             # * G
+                        dgg_frag[i, j] = dgg_frag[i, j] + dp * T.cast(p_shared[i, j], f32)
+                else:
+                    for i, j in T.Parallel(C, C):
+                        dpg = cc_frag[i, j] * scale * T.cast(dpg_shared[i, j], f32)     # * G
+                        cc_frag[i, j] = dpg
+                        dgg_frag[i, j] = dgg_frag[i, j] + dpg * qk_frag[i, j]
                 T.copy(cc_frag, dpg_shared)
                 T.reduce_sum(dgg_frag, r_dgg, dim=1, batch=2)
                 if transposed:                   # dP^T = U dO^T (Q K^T's last use is over)
