@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -72,9 +73,10 @@ def test_decode_only_arch_refuses_the_chunked_prefill():
 
 
 def test_inference_only_arch_refuses_training_before_its_forward(monkeypatch):
-    """SM100's backward is not proven yet (``Arch.training=False``): a call autograd
-    would record is refused naming FLA before any kernel runs; its proof twin still
-    trains (the GPU tests check the backward on an H200); inference calls are served."""
+    """An arch whose backward is not proven (``Arch.training=False``; SM100 until its
+    strong-decay fix, here a copy of it): a call autograd would record is refused
+    naming FLA before any kernel runs; its proof twin still trains (the GPU tests check
+    the backward on an H200); inference calls are served."""
     pytest.importorskip("tilelang", reason="TileLang is not installed")
     import flash_qla
     from flash_qla import api
@@ -84,10 +86,12 @@ def test_inference_only_arch_refuses_training_before_its_forward(monkeypatch):
     for module in (backward, backend):                    # the planner's SM count
         monkeypatch.setattr(module, "sm_count", lambda device: 132)
 
-    assert SM100.training is False and proof(SM100).training is True
-    assert TileLangKernels(proof(SM100)).training_refusal(torch.device("cpu")) is None
+    untrained = replace(SM100, training=False)
+    assert SM100.training is True and proof(untrained).training is True
+    assert TileLangKernels(SM100).training_refusal(torch.device("cpu")) is None
+    assert TileLangKernels(proof(untrained)).training_refusal(torch.device("cpu")) is None
     assert TileLangKernels(SM120).training_refusal(torch.device("cpu")) is None   # no fwd
-    kernels = TileLangKernels(SM100)
+    kernels = TileLangKernels(untrained)
     monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *o: (None, kernels))
     ran = []
     monkeypatch.setattr(forward, "launcher", lambda *a: (lambda *args: ran.append(a[0])))

@@ -55,7 +55,7 @@ BACKEND = BackendSpec(
     head_dims=((128, 128),),
     dtypes=("bfloat16", "float16"),
     loader=_load,
-    notes="TileLang 0.1.15 portable kernels (mma.sync; sm_100a / sm_103a), inference only "
-          "(forward, state pool, decode; training calls raise NotImplementedError: use FLA), "
+    notes="TileLang 0.1.15 portable kernels (mma.sync; sm_100a / sm_103a): forward, "
+          "backward, state pool, decode; proven on Hopper by their sm_90a twins, "
           "not yet run on Blackwell",
 )

@@ -17,12 +17,10 @@ from flash_qla_tl.arch import SMEM_SM90, Arch
 #: tests/portable/test_blackwell_compile.py); column sums as row sums of transposed
 #: products (``T.reduce_sum(dim=0)`` does not lower on mma.sync fragments); TileLang's
 #: packed fp32x2 reductions off, so that the reduction order is the one the H200 proof
-#: build runs. ``training=False``: on the first proof run (H100, proof(SM100), the GPU
-#: suite) the forward passed every test that ran (37 of the forward file, strong decay
-#: included) and the backward failed exactly its strong-decay cases (sweep, per-chunk
-#: gradients, full step; every typical / zero-decay case passed), so training calls are
-#: refused (naming FLA) until the backward is fixed and re-proven; the proof twin still
-#: runs it.
+#: build runs. Proven on Hopper by its twin (``FLASH_QLA_PROOF_ARCH=sm100``, H100): the
+#: backward, fused and two-kernel, and the drop-in step pass every GPU test of their files
+#: (75, strong decay included, after the gradient kernel's dGG diagonal fix), the
+#: forward every test that ran; so it trains as well as serves.
 SM100 = Arch(
     name="sm100",
     target="sm_100a",
@@ -33,7 +31,6 @@ SM100 = Arch(
                  ("chunk_bwd_fused", (160, 160, 168, 24))),
     prepare_min_ctas=6,
     column_sums="transposed",
-    training=False,
     pass_configs=(("tl.enable_fp32x2_reduction", False),),
 )
 #: CC 10.3 (B300, GB300): SM100's kernels for sm_103a (the CUDA text is the same).
