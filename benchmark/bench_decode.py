@@ -3,7 +3,8 @@
 ours (``flash_qla.fused_recurrent_gated_delta_rule``, sm90 ``recurrent_step``) beside
 FLA's ``fused_recurrent_gated_delta_rule`` (Triton), same inputs, CUDA-graph replay
 times (a decode step is launch-bound eagerly) and both outputs against the fp64
-recurrence; also on an engine's state pool (ours through ``state_indices``, FLA with a
+recurrence; FlashInfer 0.7's decode kernel beside them where installed (one token per
+sequence); also on an engine's state pool (ours through ``state_indices``, FLA with a
 gather and a scatter). Prints one table; ``--out FILE`` also writes it as JSON.
 
     python benchmark/bench_decode.py [--seqs 32,256] [--tokens 1,4] [--heads 16/32]
@@ -77,6 +78,24 @@ def _pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen) -> dict:
     return row
 
 
+def _flashinfer_row(fi_step, q, k, v, A_log, a, dt_bias, b, h0, ref, ours_ms) -> dict:
+    """FlashInfer's decode step on the same token: its state ``[N, Hv, V, K]`` (v-first)
+    fp32, updated in place (each replay advances it; the error is checked on a first call
+    from a fresh copy), the gate and beta computed in its kernel from the raw inputs."""
+    state0 = h0.transpose(-1, -2).contiguous()
+    state = state0.clone()
+
+    def theirs():
+        return fi_step(q, k, v, state, A_log, a, dt_bias, b, use_qk_l2norm=False)[0]
+
+    row = {"FlashInfer ms": _graph_ms(theirs)}
+    state.copy_(state0)
+    row["FlashInfer err"] = _rel(theirs(), ref)
+    if ours_ms is not None:
+        row["ours vs FlashInfer"] = row["FlashInfer ms"] / ours_ms
+    return row
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", default="32,256", help="sequences per step (comma list)")
@@ -86,14 +105,27 @@ def main(argv=None) -> None:
                    help="skip the state-pool rows (an engine's pool of 2N slots: ours reads "
                         "and writes it in place through state_indices, FLA by a gather "
                         "and a scatter around its call, both in the graph)")
+    p.add_argument("--impls", default="ours,fla,flashinfer",
+                   help="comma list of ours, fla, flashinfer (an absent peer is skipped); "
+                        "flashinfer: FlashInfer 0.7's gated_delta_rule_decode_pretranspose, "
+                        "one token per sequence, fp32 state (its legacy kernel), the gate "
+                        "and beta from their raw inputs in its kernel")
     p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args(argv)
+    impls = set(args.impls.split(","))
     import flash_qla
     from flash_qla.reference import recurrent_gated_delta_rule
-    try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
-    except ImportError:
-        fla_step = None
+    fla_step = fi_step = None
+    if "fla" in impls:
+        try:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_step
+        except ImportError:
+            pass
+    if "flashinfer" in impls:
+        try:
+            from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose as fi_step
+        except ImportError:
+            pass
     rows = []
     for heads in args.heads.split(","):
         Hk, Hv = map(int, heads.split("/"))
@@ -103,24 +135,35 @@ def main(argv=None) -> None:
                 q, k = (F.normalize(torch.randn(N, T, Hk, 128, generator=gen), dim=-1)
                         .bfloat16().cuda() for _ in range(2))
                 v = torch.randn(N, T, Hv, 128, generator=gen).bfloat16().cuda()
-                g = F.logsigmoid(torch.randn(N, T, Hv, generator=gen) + 3).cuda()
-                beta = torch.sigmoid(torch.randn(N, T, Hv, generator=gen)).cuda()
+                # a model's raw gate inputs (FlashInfer takes these), and g, beta from them
+                # in fp32 (ours and FLA take these): g = -exp(A_log) softplus(a + dt_bias)
+                a = torch.randn(N, T, Hv, generator=gen).bfloat16().cuda()
+                b = torch.randn(N, T, Hv, generator=gen).bfloat16().cuda()
+                A_log = torch.log(torch.empty(Hv).uniform_(1.0, 16.0, generator=gen)).cuda()
+                dt_bias = (torch.rand(Hv, generator=gen) - 4.0).cuda()
+                g = -torch.exp(A_log) * F.softplus(a.float() + dt_bias)
+                beta = torch.sigmoid(b.float())
                 h0 = (0.1 * torch.randn(N, Hv, 128, 128, generator=gen)).cuda()
                 ref, _ = recurrent_gated_delta_rule(q.double(), k.double(), v.double(),
                                                     g.double(), beta.double(),
                                                     initial_state=h0.double())
-                ours = functools.partial(flash_qla.fused_recurrent_gated_delta_rule, q, k,
-                                         v, g, beta=beta, initial_state=h0,
-                                         output_final_state=True)
-                row = {"heads": heads, "seqs": N, "tokens": T,
-                       "ours ms": _graph_ms(ours), "ours err": _rel(ours()[0], ref)}
+                row = {"heads": heads, "seqs": N, "tokens": T}
+                if "ours" in impls:
+                    ours = functools.partial(flash_qla.fused_recurrent_gated_delta_rule, q,
+                                             k, v, g, beta=beta, initial_state=h0,
+                                             output_final_state=True)
+                    row.update({"ours ms": _graph_ms(ours), "ours err": _rel(ours()[0], ref)})
+                if fi_step is not None and T == 1:
+                    row.update(_flashinfer_row(fi_step, q, k, v, A_log, a, dt_bias, b, h0,
+                                               ref, row.get("ours ms")))
                 if fla_step is not None:
                     theirs = functools.partial(fla_step, q, k, v, g, beta=beta,
                                                initial_state=h0, output_final_state=True)
                     row["FLA ms"] = _graph_ms(theirs)
                     row["FLA err"] = _rel(theirs()[0], ref)
-                    row["ours vs FLA"] = row["FLA ms"] / row["ours ms"]
-                if not args.no_pool:
+                    if "ours ms" in row:
+                        row["ours vs FLA"] = row["FLA ms"] / row["ours ms"]
+                if not args.no_pool and "ours" in impls:
                     row.update(_pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen))
                 rows.append(row)
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
