@@ -5,8 +5,8 @@ Per sequence n, value head h and token t (gdn-math "Recurrence"; q/k head h // G
 
     S = exp(g_t) S;   u = beta_t (v_t - S^T k_t);   S = S + k_t u^T;   o_t = scale S^T q_t
 
-One CTA per (sequence, value head, block of ``BV`` state columns) keeps its ``K x BV``
-slice of S in fp32 registers for all of the sequence's tokens: the columns are
+One CTA (one warp) per (sequence, value head, block of ``BV`` state columns) keeps its
+``K x BV`` slice of S in fp32 registers for all of the sequence's tokens: the columns are
 independent (every product above is column-wise in S), so no CTA waits for another.
 The start state is read from ``h0[state_idx[n]]`` and the final state written to
 ``ht[state_idx[n]]``: with ``h0`` and ``ht`` the same pool tensor an engine's state
@@ -18,9 +18,12 @@ import tilelang.language as T
 from ..arch import Arch
 from .builder import arch_kernel
 
-#: State columns per CTA: ``K x BV`` fp32 in registers (32 per thread at K = 128).
-STEP_BLOCK_V = 32
-STEP_THREADS = 128
+#: State columns per CTA and threads per CTA: one warp holds a ``K x 16`` fp32 slice (64
+#: registers per thread at K = 128), so the two reductions over K per token are warp
+#: shuffles, no block barrier (``benchmark/tune_decode.py``, H100, 16/32, graphed: 1.17-1.40x
+#: the former 32 columns x 128 threads; 8 x 32 and 16 x 64 in between).
+STEP_BLOCK_V = 16
+STEP_THREADS = 32
 
 
 @arch_kernel()
