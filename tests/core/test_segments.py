@@ -201,6 +201,23 @@ def test_bounded_split_is_within_its_bound(gate):
             assert err < tol, (bound, err)
 
 
+@pytest.mark.parametrize("gate", ["zero", "typical"])
+def test_bounded_split_of_a_dense_batch(gate):
+    """A dense ``[B, T]`` batch reaches the backend's ``fwd_warmup`` as it is (B T tokens
+    taken as packed, outputs back in ``[B, T]``; the torch reference views it as one
+    packed row itself): equal to the exact recurrence (g = 0: the walks reach every
+    sequence's start) or within the bound, o and final state in the batch's shapes."""
+    import flash_qla
+
+    q, k, v, g, beta, s0, _ = _inputs(None, 3, 200, 1, 2, True, gate)
+    kw = dict(scale=0.3, initial_state=s0, output_final_state=True, backend="torch")
+    o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, segment_len=64, **kw)
+    exact_o, exact_ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert o.shape == v.shape and ht.shape == s0.shape
+    err = max(rel_l2(o, exact_o), rel_l2(ht, exact_ht))
+    assert err < (1e-12 if gate == "zero" else 4e-3), err
+
+
 def test_bounded_split_drops_history_where_the_gates_decay():
     """With typical gates over 700 tokens some segment walks start after their
     sequence's start (the shortcut is taken), and the result still matches."""

@@ -389,3 +389,42 @@ def test_cu_seqlens_cpu_must_be_on_host():
 
 def test_not_capturing_on_cpu():
     assert validation.is_capturing(torch.device("cpu")) is False
+
+
+# --------------------------------------------------------------------------------------
+# Repeated calls: what a call that passed lets the next one skip
+# --------------------------------------------------------------------------------------
+
+def test_a_repeated_signature_still_checks_the_offsets_values():
+    """A call whose tensors match an earlier valid call in type, shape, dtype and device
+    skips those checks, not the checks of its offsets' values (nor of the initial state
+    against the N they give)."""
+    flash_qla.chunk_gated_delta_rule(**varlen_call())                  # valid: kept
+    with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing"):
+        flash_qla.chunk_gated_delta_rule(**_with(varlen_call(),
+                                                 cu_seqlens=torch.tensor([0, 3, 2, 7])))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must be at most T=8"):
+        flash_qla.chunk_gated_delta_rule(**_with(varlen_call(),
+                                                 cu_seqlens=torch.tensor([0, 3, 3, 9])))
+    with pytest.raises(ValueError, match=r"initial_state must hold one state per sequence, N=2"):
+        flash_qla.chunk_gated_delta_rule(**_with(varlen_call(),
+                                                 cu_seqlens=torch.tensor([0, 3, 5, 7][:3])))
+
+
+def test_a_changed_dtype_or_shape_is_checked_again():
+    flash_qla.chunk_gated_delta_rule(**base_call())                    # valid: kept
+    with pytest.raises(TypeError, match=r"beta"):
+        flash_qla.chunk_gated_delta_rule(**_with(base_call(),
+                                                 beta=torch.rand(B, T, HV).to(torch.int32)))
+    with pytest.raises(ValueError, match=r"initial_state must hold one state per sequence, N=2"):
+        flash_qla.chunk_gated_delta_rule(**_with(base_call(),
+                                                 initial_state=torch.zeros(B + 1, HV, K, V)))
+
+
+def test_the_backend_pick_follows_the_request():
+    """The API keeps its backend pick per call signature; another ``backend=`` is another
+    signature (on the CPU only ``torch`` runs: a GPU backend's name is refused)."""
+    flash_qla.chunk_gated_delta_rule(**base_call())
+    with pytest.raises(ValueError, match=r"backend: unknown backend 'nope'"):
+        flash_qla.chunk_gated_delta_rule(**base_call(), backend="nope")
+    flash_qla.chunk_gated_delta_rule(**base_call(), backend="torch")
