@@ -170,6 +170,15 @@ def test_cpu_refuses_a_cuda_backend_argument(install):
         dispatch.get_kernels(torch.device("cpu"), **CALL, backend="fake90")
 
 
+def test_cpu_names_an_arch_backend_that_is_not_installed(install):
+    """A real arch's name (sm90) that is not installed here: said so, with where it runs,
+    not called unknown."""
+    install(HOPPER)
+    with pytest.raises(ValueError, match=r"backend 'sm90' is not installed here \(installed: "
+                                         r"\['fake90', 'torch'\]\) and runs on CUDA devices"):
+        dispatch.get_kernels(torch.device("cpu"), **CALL, backend="sm90")
+
+
 def test_cpu_names_an_unknown_backend(install):
     install(HOPPER)
     with pytest.raises(ValueError, match=r"unknown backend 'nope'; installed: \['fake90', "

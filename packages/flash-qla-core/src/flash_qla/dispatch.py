@@ -480,6 +480,11 @@ def get_kernels(device: torch.device, *, K: int, V: int, dtype: torch.dtype,
     if device.type != "cuda":
         if backend is not None and backend != TORCH_BACKEND.name:
             known = sorted(discover()[0])
+            if backend not in known and backend in set(CAPABILITY_EXTRAS.values()):
+                raise ValueError(f"backend {backend!r} is not installed here (installed: "
+                                 f"{known}) and runs on CUDA devices only; the tensors are "
+                                 f"on {device}: use backend='torch' or move them to a GPU "
+                                 f"where the {backend} package is installed")
             if backend not in known:
                 raise ValueError(f"backend: unknown backend {backend!r}; installed: {known} "
                                  f"(tensors on {device} run on the 'torch' backend)")
