@@ -10,6 +10,7 @@ Extra arguments after `--` go to pytest (tests, gpu) or ruff (lint).
 
 from __future__ import annotations
 
+import os
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -101,7 +102,8 @@ def _fill_kernel_cache(session: nox.Session, package: str) -> None:
     session.install("-e", "packages/flash-qla-core", "-e", "packages/flash-qla-tilelang",
                     "-e", f"packages/{package}")
     cache = ROOT / f"packages/{package}/src/flash_qla_{name}/kernel_cache"
-    session.run("python", "-m", f"flash_qla_{name}.precompile", str(cache))
+    session.run("python", "-m", f"flash_qla_{name}.precompile", str(cache),
+                "--jobs", str(os.cpu_count() or 1))
 
 
 #: The packages whose wheels ship precompiled kernels (nox -s build).
