@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 
-def _graph_ms(fn, reps: int = 200) -> float:
+def graph_ms(fn, reps: int = 200) -> float:
+    """Mean ms of one CUDA-graph replay of ``fn`` (captured once on a side stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -41,7 +42,8 @@ def _graph_ms(fn, reps: int = 200) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _rel(x, ref) -> float:
+def rel_l2(x, ref) -> float:
+    """Relative L2 error of ``x`` against the fp64 ``ref``."""
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
@@ -61,9 +63,9 @@ def _pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen) -> dict:
             q, k, v, g, beta=beta, initial_state=pool, output_final_state=True,
             state_indices=slots)[0]
 
-    row = {"pool ours ms": _graph_ms(ours)}
+    row = {"pool ours ms": graph_ms(ours)}
     pool.copy_(fresh)
-    row["pool ours err"] = _rel(ours(), ref)
+    row["pool ours err"] = rel_l2(ours(), ref)
     if fla_step is not None:
         def theirs():
             o, ht = fla_step(q, k, v, g, beta=beta, initial_state=pool[slots],
@@ -71,9 +73,9 @@ def _pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen) -> dict:
             pool[slots] = ht
             return o
 
-        row["pool FLA ms"] = _graph_ms(theirs)
+        row["pool FLA ms"] = graph_ms(theirs)
         pool.copy_(fresh)
-        row["pool FLA err"] = _rel(theirs(), ref)
+        row["pool FLA err"] = rel_l2(theirs(), ref)
         row["pool ours vs FLA"] = row["pool FLA ms"] / row["pool ours ms"]
     return row
 
@@ -88,9 +90,9 @@ def _flashinfer_row(fi_step, q, k, v, A_log, a, dt_bias, b, h0, ref, ours_ms) ->
     def theirs():
         return fi_step(q, k, v, state, A_log, a, dt_bias, b, use_qk_l2norm=False)[0]
 
-    row = {"FlashInfer ms": _graph_ms(theirs)}
+    row = {"FlashInfer ms": graph_ms(theirs)}
     state.copy_(state0)
-    row["FlashInfer err"] = _rel(theirs(), ref)
+    row["FlashInfer err"] = rel_l2(theirs(), ref)
     if ours_ms is not None:
         row["ours vs FlashInfer"] = row["FlashInfer ms"] / ours_ms
     return row
@@ -152,15 +154,15 @@ def main(argv=None) -> None:
                     ours = functools.partial(flash_qla.fused_recurrent_gated_delta_rule, q,
                                              k, v, g, beta=beta, initial_state=h0,
                                              output_final_state=True)
-                    row.update({"ours ms": _graph_ms(ours), "ours err": _rel(ours()[0], ref)})
+                    row.update({"ours ms": graph_ms(ours), "ours err": rel_l2(ours()[0], ref)})
                 if fi_step is not None and T == 1:
                     row.update(_flashinfer_row(fi_step, q, k, v, A_log, a, dt_bias, b, h0,
                                                ref, row.get("ours ms")))
                 if fla_step is not None:
                     theirs = functools.partial(fla_step, q, k, v, g, beta=beta,
                                                initial_state=h0, output_final_state=True)
-                    row["FLA ms"] = _graph_ms(theirs)
-                    row["FLA err"] = _rel(theirs()[0], ref)
+                    row["FLA ms"] = graph_ms(theirs)
+                    row["FLA err"] = rel_l2(theirs()[0], ref)
                     if "ours ms" in row:
                         row["ours vs FLA"] = row["FLA ms"] / row["ours ms"]
                 if not args.no_pool and "ours" in impls:

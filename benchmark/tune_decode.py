@@ -46,28 +46,6 @@ def build(bv: int, threads: int, has_h0: bool = True, dtype: str = "bfloat16"):
                             pass_configs=SM90.kernel_pass_configs())
 
 
-def _graph_ms(fn, reps: int = 200) -> float:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def _problem(N: int, T: int, Hk: int, Hv: int):
     """Inputs as the host path packs them, a pool of 2N slots, the fp64 reference (o, the
     live rows' final states), which rows are live, and the pool's fresh copy."""
@@ -98,13 +76,10 @@ def _problem(N: int, T: int, Hk: int, Hv: int):
     return dev, ref_o.cuda(), ref_h.cuda(), live.cuda(), dev["pool"].clone()
 
 
-def _rel(x, ref) -> float:
-    return ((x.double() - ref).norm() / ref.norm()).item()
-
-
 def run_config(kernel, problem) -> dict:
     """One configuration on one :func:`_problem` (its pool reset first)."""
     import torch
+    from bench_decode import graph_ms, rel_l2  # the decode benchmark's timer, error
 
     p, ref_o, ref_h, live, fresh = problem
     p["pool"].copy_(fresh)
@@ -118,12 +93,12 @@ def run_config(kernel, problem) -> dict:
     call()
     torch.cuda.synchronize()
     slots = p["slots"][live].long()
-    err_o = _rel(o.view(N, T, Hv, 128), ref_o)
-    err_h = _rel(p["pool"][slots], ref_h[live])
+    err_o = rel_l2(o.view(N, T, Hv, 128), ref_o)
+    err_h = rel_l2(p["pool"][slots], ref_h[live])
     other = torch.ones(p["pool"].shape[0], dtype=torch.bool, device="cuda")
     other[slots] = False                       # rows no live slot names: never written
     untouched = torch.equal(p["pool"][other], fresh[other])
-    ms = _graph_ms(call)
+    ms = graph_ms(call)
     return {"ms": ms, "err o": err_o, "err state": err_h, "padding row kept": untouched}
 
 
