@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import os
 
 import torch
 import torch.nn.functional as F
@@ -92,24 +91,14 @@ def _select_kernels(q: torch.Tensor, v: torch.Tensor, backend: str | None,
     A call without tokens (T = 0) runs the ``torch`` backend unless one is named: empty
     outputs and the initial state as the final one, with no GPU kernel launched (the
     Hopper kernels' TMA descriptors need every dimension >= 1)."""
-    from flash_qla import dispatch
+    from flash_qla.dispatch import get_kernels
 
     K, V = q.shape[3], v.shape[3]
     if backend is None and q.shape[1] == 0:
         backend = "torch"
-    uses_float64 = validation.uses_float64(q, *others)
-    # the pick of an earlier call with the same device, dims, dtypes and backend request
-    # (the checks below passed for it); dispatch.clear_cache() forgets them, and a
-    # replaced dispatch.get_kernels (a test's) is another key
-    key = (q.device, K, V, q.dtype, backend, os.environ.get(dispatch.ENV_VAR), uses_float64,
-           dispatch.get_kernels)
-    picked = dispatch.call_picks.get(key)
-    if picked is None:
-        picked = dispatch.get_kernels(q.device, K=K, V=V, dtype=q.dtype, backend=backend)
-        validation.check_backend(picked[0], K=K, V=V, dtype=q.dtype,
-                                 uses_float64=uses_float64)
-        dispatch.call_picks[key] = picked
-    spec, kernels = picked
+    spec, kernels = get_kernels(q.device, K=K, V=V, dtype=q.dtype, backend=backend)
+    validation.check_backend(spec, K=K, V=V, dtype=q.dtype,
+                             uses_float64=validation.uses_float64(q, *others))
     if (spec.name == validation.FLOAT64_BACKEND and q.shape[1] > 0
             and validation.is_capturing(q.device)):
         raise ValueError(

@@ -150,10 +150,9 @@ _unavailable: dict[str, NotImplementedError] = {}  # backends whose loader said 
 _capabilities: dict[int, tuple[int, int]] = {}
 # (device index, requested name or None, K, V, dtype name) -> (spec, kernels)
 _picked: dict[tuple[int, str | None, int, int, str], tuple[BackendSpec, Any]] = {}
-#: The API's picks per (device, K, V, dtype, backend=, FLASH_QLA_BACKEND, fp64 inputs),
-#: checked against the call's dims and dtypes (``flash_qla.api``): a repeated call skips
-#: the lookup and the checks.
-call_picks: dict[tuple, tuple[BackendSpec, Any]] = {}
+# the same picks by the call's own arguments and FLASH_QLA_BACKEND: a repeated call (every
+# call of a model's layers) skips the normalisation and lookups below
+_call_picks: dict[tuple, tuple[BackendSpec, Any]] = {}
 _warned_failures = False
 
 #: When not None, entry points are read only from distributions found on these paths
@@ -234,7 +233,7 @@ def clear_cache() -> None:
         _unavailable.clear()
         _capabilities.clear()
         _picked.clear()
-        call_picks.clear()
+        _call_picks.clear()
 
 
 # --------------------------------------------------------------------------------------
@@ -475,7 +474,18 @@ def get_kernels(device: torch.device, *, K: int, V: int, dtype: torch.dtype,
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name (str) or None, got "
                         f"{type(backend).__name__}")
-    device = torch.device(device)
+    call = (device, K, V, dtype, backend, os.environ.get(ENV_VAR))
+    picked = _call_picks.get(call)
+    if picked is None:
+        device = torch.device(device)
+        picked = _get_kernels(device, K, V, dtype, backend)
+        if device.type != "cuda" or device.index is not None:   # not "the current GPU"
+            _call_picks[call] = picked
+    return picked
+
+
+def _get_kernels(device: torch.device, K: int, V: int, dtype: torch.dtype,
+                 backend: str | None) -> tuple[BackendSpec, Any]:
     dtype_name = _dtype_name(dtype)
     if device.type != "cuda":
         if backend is not None and backend != TORCH_BACKEND.name:
