@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -69,40 +68,4 @@ def test_decode_only_arch_refuses_the_chunked_prefill():
                     output_h=False)
     with pytest.raises(NotImplementedError, match="101,376 bytes"):
         kernels.bwd(q, q, q, q[..., 0], q[..., 0], q, q, dht=None, scale=1.0,
-                    initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None)
-
-
-def test_inference_only_arch_refuses_training_before_its_forward(monkeypatch):
-    """An arch whose backward is not proven (``Arch.training=False``; SM100 until its
-    strong-decay fix, here a copy of it): a call autograd would record is refused
-    naming FLA before any kernel runs; its proof twin still trains (the GPU tests check
-    the backward on an H200); inference calls are served."""
-    pytest.importorskip("tilelang", reason="TileLang is not installed")
-    import flash_qla
-    from flash_qla import api
-    from flash_qla_tl import backend, backward, forward
-    from flash_qla_tl.backend import TileLangKernels
-
-    for module in (backward, backend):                    # the planner's SM count
-        monkeypatch.setattr(module, "sm_count", lambda device: 132)
-
-    untrained = replace(SM100, training=False)
-    assert SM100.training is True and proof(untrained).training is True
-    assert TileLangKernels(SM100).training_refusal(torch.device("cpu")) is None
-    assert TileLangKernels(proof(untrained)).training_refusal(torch.device("cpu")) is None
-    assert TileLangKernels(SM120).training_refusal(torch.device("cpu")) is None   # no fwd
-    kernels = TileLangKernels(untrained)
-    monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *o: (None, kernels))
-    ran = []
-    monkeypatch.setattr(forward, "launcher", lambda *a: (lambda *args: ran.append(a[0])))
-    q = torch.randn(1, 128, 1, 128, dtype=torch.bfloat16)
-    g, beta = -torch.rand(1, 128, 1), torch.rand(1, 128, 1, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="inference only.*FLA_FLASH_QLA=0"):
-        flash_qla.chunk_gated_delta_rule(q.requires_grad_(), q, q, g, beta)
-    assert ran == []
-    with torch.no_grad():
-        o, _ = flash_qla.chunk_gated_delta_rule(q, q, q, g, beta)
-    assert o.shape == (1, 128, 1, 128) and len(ran) == 2          # prepare + forward
-    with pytest.raises(NotImplementedError, match="inference only"):
-        kernels.bwd(q, q, q, g, beta.float(), q, q, dht=None, scale=1.0,
                     initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None)

@@ -41,9 +41,6 @@ class Arch:
     - ``prepare_min_ctas``: the prepare kernel's launch bound (CTAs per SM);
     - ``chunked``: whether the chunked prefill's kernels (prepare, forward, backward)
       are built for this arch; False: only the decode step (they do not fit yet);
-    - ``training``: whether the backward is served (False: the forward and decode
-      only; calls that autograd would record are refused, naming FLA); the proof twin
-      always runs it, so the GPU tests can check it;
     - ``fused_backward``: whether the fused reverse kernel may be chosen;
     - ``column_sums``: how the gradient kernels sum a [C, C] fragment over rows:
       "reduce" (``T.reduce_sum(dim=0)``, WGMMA fragments) or "transposed" (row sums of
@@ -61,7 +58,6 @@ class Arch:
     reg_budgets: tuple[tuple[str, tuple[int, ...]], ...] = ()
     prepare_min_ctas: int = 6
     chunked: bool = True
-    training: bool = True
     fused_backward: bool = True
     column_sums: str = "reduce"
     pass_configs: tuple[tuple[str, object], ...] = ()
@@ -93,5 +89,5 @@ def proof(arch: Arch) -> Arch:
     mma.sync only; the limits stay ``arch``'s, which the compile tests check)."""
     if arch.mma != "mma_sync":
         raise ValueError(f"{arch.name}: only an mma.sync arch has a Hopper proof twin")
-    return replace(arch, name=f"sm90-proof-{arch.name}", target="sm_90a", training=True,
+    return replace(arch, name=f"sm90-proof-{arch.name}", target="sm_90a",
                    pass_configs=(*arch.pass_configs, (DISABLE_WGMMA, True)))
