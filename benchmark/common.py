@@ -1310,7 +1310,6 @@ def host_wall(fn, iters: int) -> dict:
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    held = host_behind_sleep(fn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -1322,7 +1321,7 @@ def host_wall(fn, iters: int) -> dict:
     # notice that the debug mode is a prototype
     syncs = [str(w.message).splitlines()[0] for w in caught
              if "synchronizing cuda operation" in str(w.message).lower()]
-    return {"wall_us": statistics.median(samples), "syncs": syncs, **held}
+    return {"wall_us": statistics.median(samples), "syncs": syncs}
 
 
 def host_behind_sleep(fn, calls: int = 10, sleep_ms: float = 200.0) -> dict:

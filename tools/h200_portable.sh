@@ -26,7 +26,6 @@ has() { [[ " $STAGES " == *" $1 "* ]] && (( BUDGET - SECONDS > 30 )); }
 cap() { local left=$(( BUDGET - SECONDS - 20 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
 CACHE=/tmp/tilelang-cache; mkdir -p "$CACHE"
 [ -d .offline-gpu/tilelang-cache ] && cp -r .offline-gpu/tilelang-cache/. "$CACHE"/
-[ -f .offline-gpu/tilelang-cache.tar.xz ] && tar xJf .offline-gpu/tilelang-cache.tar.xz -C "$CACHE"
 export TILELANG_CACHE_DIR=$CACHE
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 declare -A STATUS
