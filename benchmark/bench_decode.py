@@ -50,8 +50,9 @@ def rel_l2(x, ref) -> float:
 def _pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen) -> dict:
     """The same step on an engine's state pool ``[2N, Hv, K, V]`` fp32 (slots a random
     permutation): ours through ``state_indices`` (read and written in place), FLA by a
-    gather and a scatter around its call. Each graph replay updates the pool, so the
-    error is checked on a first eager call from a fresh copy."""
+    gather and a scatter around its call; ours also on the v-first layout with beta in
+    bf16. Each graph replay updates the pool, so the error is checked on a first eager
+    call from a fresh copy (beta in bf16 adds its rounding to that row's error)."""
     N = q.shape[0]
     slots = torch.randperm(2 * N, generator=gen)[:N].cuda()
     pool = torch.zeros(2 * N, *h0.shape[1:], device="cuda")
@@ -77,6 +78,20 @@ def _pool_row(flash_qla, fla_step, q, k, v, g, beta, h0, ref, gen) -> dict:
         pool.copy_(fresh)
         row["pool FLA err"] = rel_l2(theirs(), ref)
         row["pool ours vs FLA"] = row["pool FLA ms"] / row["pool ours ms"]
+    # the v-first fp32 pool (FlashInfer's decode layout, and the prefill's on a pool),
+    # beta in bf16 as a model's sigmoid gives it (read as given: no conversion launch)
+    pool_v = pool.transpose(-1, -2).contiguous()
+    fresh_v = fresh.transpose(-1, -2).contiguous()
+    beta_bf16 = beta.bfloat16()
+
+    def ours_v_first():
+        return flash_qla.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta=beta_bf16, initial_state=pool_v, output_final_state=True,
+            state_indices=slots, state_v_first=True)[0]
+
+    row["pool v-first ours ms"] = graph_ms(ours_v_first)
+    pool_v.copy_(fresh_v)
+    row["pool v-first ours err"] = rel_l2(ours_v_first(), ref)
     return row
 
 

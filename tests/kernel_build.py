@@ -130,7 +130,10 @@ _DIMS = ("bfloat16", 128, 128)
 # name -> (module of flash_qla_tl.kernels, builder, static args after the arch): shipped
 # variants (``precompile.variants``), bf16, K = V = 128; ``_h``: stores h
 VARIANTS = {
-    "recurrent_step": ("recurrent_step", "recurrent_step_kernel", ("bfloat16", 128, 128, True)),
+    "recurrent_step": ("recurrent_step", "recurrent_step_kernel",
+                       (*_DIMS, True, "float32", False, "float32")),
+    "recurrent_step_pool_bf16_v_first": ("recurrent_step", "recurrent_step_kernel",
+                                         (*_DIMS, True, "bfloat16", True, "bfloat16")),
     "prepare_blocked": ("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel",
                         ("bfloat16", 128)),
     "fwd_ws": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, False, False)),

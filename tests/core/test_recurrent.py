@@ -80,6 +80,39 @@ def test_verify_tokens_varlen_with_state_pool(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("v_first", [False, True], ids=["k_first", "v_first"])
+def test_pool_in_each_dtype_and_layout(device, pool_dtype, v_first):
+    """The pool an engine's prefill takes (``chunk_gated_delta_rule(..., state_indices=)``:
+    fp32 / bf16 / fp16, [P, Hv, K, V] or v-first [P, Hv, V, K]) is the pool decode reads
+    and updates in place: rows read in fp32, final states written back rounded to the
+    pool's dtype, in its layout; beta in q's dtype (read as given); two tokens per
+    sequence with padding after the last one (zeros in o)."""
+    q, k, v, g, beta, _ = _inputs(device, 1, 7, 1, 2, 3, seed=5)
+    beta = beta.to(q.dtype)
+    K, V = q.shape[-1], v.shape[-1]
+    cu = torch.tensor([0, 2, 4, 6], device=device)
+    slots = torch.tensor([4, 1, -1], device=device)
+    gen = torch.Generator().manual_seed(6)
+    rows = 0.1 * torch.randn(5, 2, K, V, generator=gen)
+    pool = (rows.transpose(-1, -2) if v_first else rows).contiguous().to(device, pool_dtype)
+    before = pool.clone()
+    o, out = flash_qla.fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta=beta, initial_state=pool, cu_seqlens=cu, state_indices=slots,
+        state_v_first=v_first)
+    assert out is pool
+    canon = (before.transpose(-1, -2) if v_first else before).float()   # [P, Hv, K, V]
+    start = torch.stack([canon[4], canon[1], torch.zeros_like(canon[0])])
+    o_ref, ht_ref = _reference(q, k, v, g, beta, start, cu)
+    after = (pool.transpose(-1, -2) if v_first else pool).float()
+    tol = max(_dims(device)[3], 4e-3 if pool_dtype != torch.float32 else 0)
+    assert rel_l2(o[:, :6], o_ref[:, :6]) < tol
+    assert rel_l2(after[[4, 1]], ht_ref[:2]) < tol
+    assert torch.equal(pool[[0, 2, 3]], before[[0, 2, 3]])
+    assert torch.equal(o[:, 6:], torch.zeros_like(o[:, 6:]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_negative_slot_is_a_padding_row(device):
     """As in the prefill on a pool: a sequence whose slot is negative starts from zeros
     and writes no pool row (in particular not row P - 1, which a Python-style negative

@@ -464,14 +464,23 @@ def _training_step(B, T, *, h0: bool, dht: bool, save: bool, output_h: bool = Fa
     torch.autograd.backward(outs, grads)
 
 
-def _decode_step(*, h0: bool):
-    """One decode token for each of 4 sequences (GVA 2/4), from a state or from zeros."""
+def _decode_step(*, h0: bool, pool_dtype: torch.dtype | None = None, v_first: bool = False,
+                 beta_dtype: torch.dtype = torch.float32):
+    """One decode token for each of 4 sequences (GVA 2/4), from a state or from zeros,
+    or (``pool_dtype``) on a state pool of that dtype; beta in ``beta_dtype``."""
     import flash_qla
 
     (q, k, v, g, beta, h), _, _ = _inputs(4, 1, 4, requires_grad=False)
-    flash_qla.fused_recurrent_gated_delta_rule(q[:, :, :2], k[:, :, :2], v, g, beta=beta,
-                                               initial_state=h if h0 else None,
-                                               output_final_state=True)
+    state = h.transpose(-1, -2).contiguous() if v_first else h
+    extra = {}
+    if pool_dtype is not None:
+        state = torch.zeros(6, *state.shape[1:], dtype=pool_dtype)
+        extra = {"state_indices": torch.tensor([5, 0, -1, 2], dtype=torch.int32)}
+    flash_qla.fused_recurrent_gated_delta_rule(q[:, :, :2], k[:, :, :2], v, g,
+                                               beta=beta.to(beta_dtype),
+                                               initial_state=state if h0 else None,
+                                               output_final_state=True,
+                                               state_v_first=v_first, **extra)
 
 
 def _pool_batch(pool_dtype: torch.dtype) -> dict:
@@ -527,8 +536,9 @@ def test_pool_prefill_runs_on_the_pool_itself(built, monkeypatch):
 def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
     """Training steps over every option the host path distinguishes (initial state,
     state gradient, kept or recomputed h, unsplit or bounded split, fused or two-kernel
-    backward, h returned), decode steps and prefills on a state pool (3 dtypes x 2
-    layouts) launch exactly the bf16 variants ``precompile.variants(SM90)``
+    backward, h returned), decode steps (from zeros, a state or a pool in 3 dtypes; both
+    layouts; beta in fp32 or bf16) and prefills on a state pool (3 dtypes x 2 layouts)
+    launch exactly the bf16 variants ``precompile.variants(SM90)``
     compiles ahead of time: none missing from the shipped cache, none shipped unused."""
     precompile = pytest.importorskip("flash_qla_tl.precompile")
     for fused in (False, True):
@@ -538,7 +548,13 @@ def test_launched_variants_are_the_shipped_ones(built, monkeypatch):
             _training_step(B, T, h0=h0, dht=dht, save=save)
     for h0 in (False, True):
         _training_step(2, 256, h0=h0, dht=False, save=False, output_h=True)
-        _decode_step(h0=h0)
+    for v_first, beta_dtype in itertools.product((False, True),
+                                                 (torch.float32, torch.bfloat16)):
+        for h0 in (False, True):
+            _decode_step(h0=h0, v_first=v_first, beta_dtype=beta_dtype)
+        for pool_dtype in (torch.bfloat16, torch.float16):
+            _decode_step(h0=True, pool_dtype=pool_dtype, v_first=v_first,
+                         beta_dtype=beta_dtype)
     for pool_dtype, v_first in itertools.product(
             (torch.float32, torch.bfloat16, torch.float16), (False, True)):
         _pool_prefill(_pool_batch(pool_dtype), v_first)

@@ -51,13 +51,13 @@ def _names(arch, dtype="bfloat16") -> list[tuple]:
 def test_variants_per_dtype():
     """Per dtype (K = V = 128): the prepare, the forward's seven variants x initial
     state, the sweep's three x dht, the per-chunk gradients, the GVA sum, the fused
-    reverse kernel x dht, the forward on a state pool (3 pool dtypes x 2 layouts), the decode step x
-    initial state: 33, none twice; every one
-    built for the arch asked for."""
+    reverse kernel x dht, the forward on a state pool (3 pool dtypes x 2 layouts), the decode
+    step (no start state, or a start state / pool in 3 dtypes; x 2 layouts x beta in fp32 or
+    q's dtype): 31 + 16 = 47, none twice; every one built for the arch asked for."""
     from flash_qla_sm90.arch import SM90
 
     every = list(precompile.variants(SM90))
-    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 33
+    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 47
     assert {args[0] for _, args in every} == {SM90}
     for dtype in ("bfloat16", "float16"):
         assert sorted(_names(SM90, dtype)) == sorted(
@@ -70,7 +70,10 @@ def test_variants_per_dtype():
             + [("chunk_bwd_fused_kernel", (dht,)) for dht in (False, True)]
             + [("chunk_fwd_ws_kernel", (True, False, False, False, False, pool, v_first))
                for pool in ("float32", "bfloat16", "float16") for v_first in (False, True)]
-            + [("recurrent_step_kernel", (h0,)) for h0 in (False, True)])
+            + [("recurrent_step_kernel", (h0, state, v_first, beta))
+               for h0, state in ((False, "float32"), (True, "float32"), (True, "bfloat16"),
+                                 (True, "float16"))
+               for v_first in (False, True) for beta in ("float32", dtype)])
 
 
 def test_flags_carry_no_trailing_false():
@@ -88,6 +91,6 @@ def test_an_arch_without_the_fused_backward_ships_neither_it_nor_its_boundary_sw
 
     two_kernels = replace(SM90, fused_backward=False)
     names = _names(two_kernels)
-    assert len(names) == 33 - 2 - 2
+    assert len(names) == 47 - 2 - 2
     assert not [n for n in names if n[0] == "chunk_bwd_fused_kernel"]
     assert ("chunk_bwd_dh_ws_kernel", (True, True, False, True)) not in names

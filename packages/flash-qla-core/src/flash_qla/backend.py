@@ -71,6 +71,14 @@ class Kernels(Protocol):
     # for a negative index) and its final state is written to that row in the pool's
     # dtype, in place (nothing for a negative index). Without it, and for calls split
     # into segments, the core gathers the rows, runs ``fwd`` and scatters the states.
+    # Optional: ``recurrent(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
+    # state_indices, output_final_state, v_first) -> (o, final_state)``: the token-by-token
+    # recurrence (``flash_qla.recurrent``, decode): with ``state_indices`` the pool
+    # ``initial_state`` (as ``fwd_pool``'s, fp32/bf16/fp16, either layout) is updated in
+    # place and returned; else a contiguous fp32 ``initial_state`` (or None) in the
+    # caller's layout (``v_first``: ``[N, Hv, V, K]``) and a new fp32 final state in that
+    # layout. beta arrives as the caller gave it (fp32 or q's dtype). Without it, the core
+    # runs the reference recurrence.
     # Optional: ``beta_dtype``, a torch dtype: the dtype the kernels read beta in; the
     # autograd Function converts beta to it once per training step (the forward and the
     # backward then receive it) instead of each pass converting its own copy. Only for

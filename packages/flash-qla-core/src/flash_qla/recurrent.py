@@ -16,20 +16,17 @@ from __future__ import annotations
 import torch
 
 from flash_qla import api, validation
-from flash_qla.state_pool import check_state_pool
+from flash_qla.state_pool import check_state_pool, pool_dtypes
 
 __all__ = ["fused_recurrent_gated_delta_rule"]
 
 
 def _check_pool(pool, state_indices, q, v, N: int, v_first: bool) -> None:
-    """``initial_state`` a pool ``[P, Hv, K, V]`` fp32 and ``state_indices`` ``[N]``
-    (:func:`flash_qla.state_pool.check_state_pool`, the prefill's check, with the decode
-    kernel's one dtype and layout)."""
-    if v_first and pool is not None:
-        raise NotImplementedError("state_indices with state_v_first=True is not supported: "
-                                  "pass the pool as [P, Hv, K, V]")
-    check_state_pool(pool, state_indices, q, v, N, v_first=False,
-                     dtypes=(validation.state_dtype(q),))
+    """``initial_state`` a pool ``[P, Hv, K, V]`` (``v_first``: ``[P, Hv, V, K]``) in a
+    dtype the prefill on a pool takes, and ``state_indices`` ``[N]``
+    (:func:`flash_qla.state_pool.check_state_pool`, the prefill's check): one pool
+    serves an engine's prefill and its decode."""
+    check_state_pool(pool, state_indices, q, v, N, v_first=v_first, dtypes=pool_dtypes(q))
 
 
 def fused_recurrent_gated_delta_rule(
@@ -72,7 +69,9 @@ def fused_recurrent_gated_delta_rule(
         scale: output scale, None for ``K ** -0.5``.
         initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with ``state_v_first``)
             fp32/bf16/fp16, or None for zeros; with ``state_indices`` the state pool
-            ``[P, Hv, K, V]`` fp32, read at the indices and updated there in place.
+            ``[P, Hv, K, V]`` (``[P, Hv, V, K]`` with ``state_v_first``) fp32/bf16/fp16,
+            read at the indices (in fp32) and updated there in place, in its dtype: the
+            pool :func:`flash_qla.chunk_gated_delta_rule` takes with ``state_indices``.
         output_final_state: return the state after each sequence's last token (fp32,
             the caller's layout); with ``state_indices`` the pool is returned.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
@@ -88,8 +87,8 @@ def fused_recurrent_gated_delta_rule(
     Raises:
         TypeError, ValueError: as :func:`flash_qla.chunk_gated_delta_rule`, and for
             ``state_indices`` / the pool. NotImplementedError: ``gk``, ``gv``,
-            ``allow_neg_eigval``, a pool with ``state_v_first``, or inputs that require
-            grad (train with :func:`flash_qla.chunk_gated_delta_rule`).
+            ``allow_neg_eigval``, or inputs that require grad (train with
+            :func:`flash_qla.chunk_gated_delta_rule`).
     """
     for name, x in (("gk", gk), ("gv", gv)):
         if x is not None:
@@ -129,29 +128,32 @@ def fused_recurrent_gated_delta_rule(
         g = api.gate_from_params(g, A_log, dt_bias)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
-    if not pool and initial_state is not None:
-        initial_state = api._kernel_initial_state(initial_state, q, state_v_first)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     step = getattr(kernels, "recurrent", None)
-    if step is not None:
+    if step is not None:        # the kernel reads the caller's layout (and a pool's dtype)
+        if not pool:        # fp32, contiguous, the caller's layout (v_first: no transpose)
+            initial_state = api._kernel_initial_state(initial_state, q, v_first=False)
         o, final = step(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                         cu_seqlens=cu_seqlens, state_indices=state_indices,
-                        output_final_state=output_final_state or pool)
-    else:                                   # the torch backend: the reference recurrence
-        from flash_qla.reference import recurrent_gated_delta_rule  # lazily: light import
-        from flash_qla.state_pool import gather_states, scatter_states
+                        output_final_state=output_final_state or pool,
+                        v_first=state_v_first)
+        return o, (final if pool or output_final_state else None)
+    # the torch backend: the reference recurrence, canonical layout
+    from flash_qla.reference import recurrent_gated_delta_rule  # lazily: light import
+    from flash_qla.state_pool import gather_states, scatter_states
 
-        start = (gather_states(initial_state, state_indices, v_first=False,
-                               dtype=initial_state.dtype)            # zeros: padding
-                 if pool else initial_state)
-        o, final = recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale,
-                                              initial_state=start, cu_seqlens=cu_seqlens,
-                                              output_final_state=True)
-        if pool:                                  # padding rows (slot < 0) write nothing
-            scatter_states(initial_state, state_indices, final, v_first=False)
-            final = initial_state
-    if pool:
-        return o, final
+    if pool:                                                          # zeros: padding
+        start = gather_states(initial_state, state_indices, v_first=state_v_first,
+                              dtype=validation.state_dtype(q))
+    else:
+        start = api._kernel_initial_state(initial_state, q, state_v_first)
+    o, final = recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                          initial_state=start, cu_seqlens=cu_seqlens,
+                                          output_final_state=True)
+    if pool:                                      # padding rows (slot < 0) write nothing
+        scatter_states(initial_state, state_indices, final, v_first=state_v_first)
+        return o, initial_state
     if not output_final_state:
         return o, None
     return o, (final.transpose(-1, -2).contiguous() if state_v_first else final)
+

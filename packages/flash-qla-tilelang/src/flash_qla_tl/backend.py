@@ -98,12 +98,13 @@ class TileLangKernels:
                                          starts=starts, ends=ends, states=states)
 
     def recurrent(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state_indices,
-                  output_final_state):
+                  output_final_state, v_first=False):
         """Token-by-token recurrence (``flash_qla.backend.Kernels``, optional): decode."""
         return recurrent.recurrent_fwd(q, k, v, g, beta, arch=self.arch, scale=scale,
                                        initial_state=initial_state, cu_seqlens=cu_seqlens,
                                        state_indices=state_indices,
-                                       output_final_state=output_final_state)
+                                       output_final_state=output_final_state,
+                                       v_first=v_first)
 
     def plan_segment_len(self, bounds, Hv, K, V, device, bounded=False):
         """``plan.segment_len`` (K = V = 128 on this backend: the dispatch checks)."""

@@ -31,6 +31,7 @@ from .kernels import (
     recurrent_step_kernel,
 )
 from .kernels.traits import DTYPES, HEAD_DIMS
+from .recurrent import step_args
 
 
 def _user_cache_dir() -> Path:
@@ -84,14 +85,25 @@ def variants(arch: Arch):
     (:data:`POOL_DTYPES` x both layouts), the sweep's (:data:`SWEEP_FLAGS`) x dht, the
     per-chunk gradient kernel, the GVA sum, the fused reverse kernel x dht (where
     ``arch.fused_backward``; else also no boundary sweep, which only feeds it), and the
-    decode step x initial state; only the decode step where not ``arch.chunked``.
+    decode steps (:func:`_decode_variants`); only the decode steps where not
+    ``arch.chunked``.
     ``tests/sm90/test_host_path.py`` checks that the host path launches nothing else."""
     for dtype in DTYPES:
         for K, V in HEAD_DIMS:
             if arch.chunked:
                 yield from _chunked_variants(arch, dtype, K, V)
-            for has_h0 in (False, True):                 # decode (flash_qla.recurrent)
-                yield recurrent_step_kernel, (arch, dtype, K, V, has_h0)
+            yield from _decode_variants(arch, dtype, K, V)
+
+
+def _decode_variants(arch: Arch, dtype: str, K: int, V: int):
+    """:func:`variants`' decode steps (``flash_qla.recurrent``) for one dtype and head
+    dims: no start state (fp32 final state) or a start state / pool in each of
+    :data:`POOL_DTYPES`, each in both layouts, beta in fp32 or in q's dtype."""
+    for has_h0, state_dtype in ((False, "float32"), *((True, d) for d in POOL_DTYPES)):
+        for v_first in (False, True):
+            for beta_dtype in ("float32", dtype):
+                yield recurrent_step_kernel, (arch, *step_args(dtype, K, V, has_h0, state_dtype,
+                                                               v_first, beta_dtype))
 
 
 def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):

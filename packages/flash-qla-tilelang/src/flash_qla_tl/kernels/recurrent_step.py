@@ -10,7 +10,9 @@ One CTA (one warp) per (sequence, value head, block of ``BV`` state columns) kee
 independent (every product above is column-wise in S), so no CTA waits for another.
 The start state is read from ``h0[state_idx[n]]`` and the final state written to
 ``ht[state_idx[n]]``: with ``h0`` and ``ht`` the same pool tensor an engine's state
-slots are updated in place, with no gather or scatter pass around the call.
+slots are updated in place, with no gather or scatter pass around the call, in the
+pool's own dtype (fp32, bf16, fp16) and layout (k-first or v-first), the ones the
+prefill on a pool takes (``chunk_state_output``), so one pool serves both.
 """
 
 import tilelang.language as T
@@ -27,20 +29,26 @@ STEP_THREADS = 32
 
 
 @arch_kernel()
-def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
+def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool,
+                          state_dtype: str = "float32", v_first: bool = False,
+                          beta_dtype: str = "float32"):
     """Build the token-by-token recurrence over packed sequences (no MMA: the same code
     on every arch but for its target).
 
-    Kernel arguments: q, k ``[Tt, Hk, K]`` dtype; v ``[Tt, Hv, V]`` dtype; g, beta
-    ``[Tt, Hv]`` fp32 (g the per-token natural-log decay); cu_seqlens ``[N + 1]`` int32;
+    Kernel arguments: q, k ``[Tt, Hk, K]`` dtype; v ``[Tt, Hv, V]`` dtype; g ``[Tt, Hv]``
+    fp32 (the per-token natural-log decay); beta ``[Tt, Hv]`` ``beta_dtype`` (fp32 or
+    q's dtype: read as given, converted per token); cu_seqlens ``[N + 1]`` int32;
     state_idx ``[N]`` int32 (the state slot of each sequence; negative: a padding row,
-    started from zeros and never written back); h0 ``[P, Hv, K, V]`` fp32 (read at
-    ``state_idx`` when ``has_h0``, else zeros); scale fp32; o ``[Tt, Hv, V]`` dtype; ht
-    ``[P, Hv, K, V]`` fp32 (written at ``state_idx``). Tokens outside every sequence are
-    not written."""
+    started from zeros and never written back); h0 ``[P, Hv, K, V]`` (``v_first``:
+    ``[P, Hv, V, K]``) in ``state_dtype`` (fp32, bf16 or fp16; read at ``state_idx``
+    when ``has_h0``, else zeros; converted to fp32); scale fp32; o ``[Tt, Hv, V]``
+    dtype; ht like h0 (written at ``state_idx``, rounded to ``state_dtype``). Tokens
+    after ``cu_seqlens[N]`` (padding) get zeros in o, written by the last sequence's
+    CTAs, so o needs no zeroing pass."""
     Tt, Hk, Hv, N, P = T.dynamic("Tt, Hk, Hv, N, P")
     BV = STEP_BLOCK_V
     accum = "float32"
+    state_dims = (V, K) if v_first else (K, V)
 
     @T.prim_func
     def recurrent_step(
@@ -48,13 +56,13 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
         k: T.Tensor((Tt, Hk, K), dtype),
         v: T.Tensor((Tt, Hv, V), dtype),
         g: T.Tensor((Tt, Hv), accum),
-        beta: T.Tensor((Tt, Hv), accum),
+        beta: T.Tensor((Tt, Hv), beta_dtype),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         state_idx: T.Tensor((N,), "int32"),
-        h0: T.Tensor((P, Hv, K, V), accum),
+        h0: T.Tensor((P, Hv, *state_dims), state_dtype),
         scale: T.float32,
         o: T.Tensor((Tt, Hv, V), dtype),
-        ht: T.Tensor((P, Hv, K, V), accum),
+        ht: T.Tensor((P, Hv, *state_dims), state_dtype),
     ):
         with T.Kernel(T.ceildiv(V, BV), N * Hv, threads=STEP_THREADS) as (bv, bnh):
             n = bnh // Hv
@@ -73,7 +81,10 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
             if has_h0:
                 if slot >= 0:
                     for i, j in T.Parallel(K, BV):
-                        S[i, j] = h0[slot, h, i, bv * BV + j]
+                        if v_first:
+                            S[i, j] = T.cast(h0[slot, h, bv * BV + j, i], accum)
+                        else:
+                            S[i, j] = T.cast(h0[slot, h, i, bv * BV + j], accum)
             for t in T.serial(eos - bos):
                 tok = bos + t
                 for i in T.Parallel(K):
@@ -82,7 +93,7 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
                 for j in T.Parallel(BV):
                     v_s[j] = T.cast(v[tok, h, bv * BV + j], accum)
                 decay = T.exp(g[tok, h])
-                b = beta[tok, h]
+                b = T.cast(beta[tok, h], accum)
                 for i, j in T.Parallel(K, BV):                      # S <- exp(g) S
                     S[i, j] = S[i, j] * decay
                     prod[i, j] = S[i, j] * k_s[i]
@@ -97,6 +108,13 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool):
                     o[tok, h, bv * BV + j] = T.cast(col[j] * scale, dtype)
             if slot >= 0:
                 for i, j in T.Parallel(K, BV):
-                    ht[slot, h, i, bv * BV + j] = S[i, j]
+                    if v_first:
+                        ht[slot, h, bv * BV + j, i] = T.cast(S[i, j], state_dtype)
+                    else:
+                        ht[slot, h, i, bv * BV + j] = T.cast(S[i, j], state_dtype)
+            if n == N - 1:                  # padding tokens after the last sequence: zeros
+                for t in T.serial(Tt - eos):
+                    for j in T.Parallel(BV):
+                        o[eos + t, h, bv * BV + j] = T.cast(0, dtype)
 
     return recurrent_step
