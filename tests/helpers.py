@@ -47,6 +47,17 @@ def kernel_arch():
     return served_arch()
 
 
+def skip_unless_kernels_train() -> None:
+    """Skip a GPU test that trains through the sm90 loader's kernels when the served
+    arch builds no backward (``Arch.training=False``: ``FLASH_QLA_PROOF_ARCH=sm120``,
+    whose arch ships the forward and decode only and refuses training calls)."""
+    import pytest
+
+    arch = kernel_arch()
+    if not arch.training:
+        pytest.skip(f"{arch.name} builds no backward: inference only")
+
+
 def force_fused_backward(monkeypatch, fused: bool) -> None:
     """Both sm90 backwards (unsplit and bounded split) take the fused kernel (True) or
     the sweep and the per-chunk kernel (False), whatever ``plan.fused_backward`` would

@@ -8,8 +8,8 @@
 #   sm100    FLASH_QLA_PROOF_ARCH=sm100: the GPU tests of the plan's steps 2-5 (forward,
 #            backward, fused and two-kernel, drop-in, compile API, decode), three groups
 #            side by side on the one GPU (TEST_GROUPS overrides: ";"-separated)
-#   sm120    FLASH_QLA_PROOF_ARCH=sm120: the decode tests (SM120 builds decode only: the
-#            one that prefills first is left out)
+#   sm120    FLASH_QLA_PROOF_ARCH=sm120: the forward's and decode's GPU tests (SM120 builds
+#            no backward: its training cases skip; SM120_TESTS overrides)
 #   bench    bench_gated_delta_rule.py --quick (ours only, fwd and bwd) for SM90 and for
 #            proof(SM100), in one call: a table of the ratios (same GPU, same run)
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (carry it next time)
@@ -55,12 +55,11 @@ if has sm100; then
 fi
 if has sm120; then
   start=$SECONDS
-  # (the prefill-then-decode test needs the chunked prefill, which SM120 does not build)
-  FLASH_QLA_PROOF_ARCH=sm120 timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider \
-    -rfE -m gpu tests/core/test_recurrent.py -k "not continues_the_chunked_prefill" \
+  FLASH_QLA_PROOF_ARCH=sm120 timeout "$(cap 330)" python3 -m pytest -q -p no:cacheprovider \
+    -rfEs -m gpu ${SM120_TESTS:-$T/test_forward_gpu.py tests/core/test_recurrent.py tests/core/test_state_pool.py} \
     > "$R/sm120-tests.txt" 2>&1
   STATUS[sm120]="$((SECONDS - start)) s: $(tail -1 "$R/sm120-tests.txt")"
-  echo "sm120 proof tests (decode): ${STATUS[sm120]}"
+  echo "sm120 proof tests (forward, decode): ${STATUS[sm120]}"
 fi
 if has bench; then
   for arch in sm90 sm100; do

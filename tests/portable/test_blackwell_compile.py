@@ -66,6 +66,8 @@ SPILL_BUDGET = {
     ("sm100", "chunk_bwd_intra_kernel"): 512,
     ("sm100", "chunk_bwd_fused_kernel"): 696,       # sm_100a 696, sm_103a 644
     ("sm120", "recurrent_step_kernel"): 0,
+    ("sm120", "chunk_prepare_blocked_kernel"): 0,
+    ("sm120", "chunk_fwd_ws_kernel"): 0,            # 32-token sub-chunks, no setmaxnreg
 }
 
 

@@ -76,6 +76,21 @@ def test_variants_per_dtype():
                for v_first in (False, True) for beta in ("float32", dtype)])
 
 
+def test_an_arch_without_training_ships_the_inference_forward_and_decode():
+    """SM120 (``training=False``, 32-token sub-chunks): the prepare, the forward without
+    kept h (no h, fp32 h for ``output_h``, the bounded split's) x initial state, the
+    forward on a state pool, the decode steps; no training forward (h in q's dtype, the
+    states-only recompute), no backward kernel."""
+    from flash_qla_sm120.arch import SM120
+
+    names = _names(SM120)
+    assert len(names) == len(set(names)) == 1 + 3 * 2 + 6 + 16
+    kept = {("chunk_fwd_ws_kernel", (h0, *flags)) for h0 in (False, True)
+            for flags in ((False,), (True,), (False, True))}
+    assert kept <= set(names)
+    assert not [n for n in names if n[0].startswith(("chunk_bwd", "group_sum"))]
+
+
 def test_flags_carry_no_trailing_false():
     """Static flags as ``layout.static_flags`` leaves them: a launch's key is the
     variant's (trailing False arguments are dropped before the launcher sees them)."""

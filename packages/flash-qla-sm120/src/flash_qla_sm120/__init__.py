@@ -1,11 +1,13 @@
-"""FlashQLA backend for Blackwell RTX / workstation GPUs (SM120, SM121): decode only, so far.
+"""FlashQLA backend for Blackwell RTX / workstation GPUs (SM120, SM121): inference so far.
 
 This module is what the ``flash_qla.backends`` entry point ``sm120`` points at; importing it
 imports neither TileLang nor the kernels. The kernels are ``flash_qla_tl``'s, built for
-``arch.SM120`` / ``arch.SM121``: only the token-by-token decode step
-(``flash_qla.recurrent``) fits the 99 KB of shared memory per block so far; the chunked
-prefill (forward, backward) raises :class:`NotImplementedError` naming the GPU and the
-alternative (FLA) until the sub-chunk-32 kernels exist (docs/blackwell-plan.md, step 6).
+``arch.SM120`` / ``arch.SM121`` within 99 KB of shared memory per block: the chunked
+prefill's forward on 32-token sub-chunks (varlen, states, state pools, the bounded
+segment split) and the token-by-token decode step (``flash_qla.recurrent``). The
+backward's kernels do not fit yet: a call that autograd would record raises
+:class:`NotImplementedError` naming the GPU and the alternative (FLA) before any kernel
+runs (docs/blackwell-plan.md, step 6).
 
 - ``arch``: the arches, by compute capability;
 - ``precompile``: the shipped kernel cache (``kernel_cache/``) and the command that
@@ -54,5 +56,6 @@ BACKEND = BackendSpec(
     head_dims=((128, 128),),
     dtypes=("bfloat16", "float16"),
     loader=_load,
-    notes="TileLang 0.1.15 decode kernels (sm_120a / sm_121a); chunked prefill not yet: use FLA",
+    notes="TileLang 0.1.15 kernels (sm_120a / sm_121a): forward and decode; no backward "
+          "yet (training: use FLA)",
 )

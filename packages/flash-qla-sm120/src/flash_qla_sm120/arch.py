@@ -11,22 +11,24 @@ from dataclasses import replace
 
 from flash_qla_tl.arch import SMEM_SM120, Arch
 
-#: CC 12.0 (sm_120a): 101,376 B of shared memory per block. The chunked prefill's
-#: kernels do not fit at SM90's tiles (the forward's three slots take ~197 KB, two
-#: ~134 KB; the gradient kernels hold S0 and dS1, 32 KB each, beside their tiles) and
-#: the sub-chunk-32 forward and half-state gradient kernels (docs/blackwell-plan.md,
-#: step 6) are not written yet: only the decode step is built (``chunked=False``; the
-#: backend serves the chunked calls nowhere and says so). mma.sync, column sums by
-#: transposed products and scalar reductions as SM100's, the prepare's launch bound
-#: at 3 CTAs per SM (6 x 25 KB would not fit 100 KB), no setmaxnreg budgets fitted.
+#: CC 12.0 (sm_120a): 101,376 B of shared memory per block. The forward runs on 32-token
+#: sub-chunks of the API's 64-token chunks (a sub-chunk's inverse is the diagonal block
+#: of its chunk's A, its gates rebased: docs/blackwell-plan.md, 0.5): three slots take
+#: 88,064 B (SM90's 64-token tiles would take ~197 KB). The backward's gradient kernels
+#: hold S0 and dS1 (32 KB each) beside their tiles at any tile size and are not built
+#: (``training=False``: training calls are refused, naming FLA); nor the training
+#: forward's kept-h variants. mma.sync, column sums by transposed products and scalar
+#: reductions as SM100's, the prepare's launch bound at 3 CTAs per SM (6 x 25 KB would
+#: not fit 100 KB), no setmaxnreg budgets fitted.
 SM120 = Arch(
     name="sm120",
     target="sm_120a",
     mma="mma_sync",
     smem_limit=SMEM_SM120,
-    slots=2,
+    sub_chunk=32,
+    slots=3,
     prepare_min_ctas=3,
-    chunked=False,
+    training=False,
     fused_backward=False,
     column_sums="transposed",
     pass_configs=(("tl.enable_fp32x2_reduction", False),),

@@ -107,11 +107,19 @@ def _decode_variants(arch: Arch, dtype: str, K: int, V: int):
 
 
 def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
-    """:func:`variants`' kernels of the chunked prefill for one dtype and head dims."""
+    """:func:`variants`' kernels of the chunked prefill for one dtype and head dims (where
+    not ``arch.training``: the prepare and the inference forward's variants only)."""
     yield chunk_prepare_blocked_kernel, (arch, dtype, K)
     for has_h0 in (False, True):
         for store_h, *flags in FWD_FLAGS:
-            yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)
+            if arch.training or store_h is False or flags == []:    # no kept h
+                yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)
+    for pool_dtype in POOL_DTYPES:                       # prefill on a state pool
+        for v_first in (False, True):
+            yield chunk_fwd_ws_kernel, (arch, dtype, K, V, True, False, False, False, False,
+                                        pool_dtype, v_first)
+    if not arch.training:
+        return
     for has_dht in (False, True):
         for flags in SWEEP_FLAGS:
             if arch.fused_backward or not flags[2:]:
@@ -121,10 +129,6 @@ def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
     if arch.fused_backward:
         for has_dht in (False, True):
             yield chunk_bwd_fused_kernel, (arch, dtype, K, V, has_dht)
-    for pool_dtype in POOL_DTYPES:                       # prefill on a state pool
-        for v_first in (False, True):
-            yield chunk_fwd_ws_kernel, (arch, dtype, K, V, True, False, False, False, False,
-                                        pool_dtype, v_first)
 
 
 def _compile_slice(arches: tuple[Arch, ...], cache_dir: str, jobs: int, index: int) -> int:

@@ -47,7 +47,15 @@ import tilelang.language as T
 
 from ..arch import Arch
 from .builder import arch_kernel
-from .tile_ops import LOG2E, fetch_gates, mma, mma_wait, store_staged, store_transposed
+from .tile_ops import (
+    LOG2E,
+    fetch_gates,
+    mma,
+    mma_wait,
+    rebase_gates,
+    store_staged,
+    store_transposed,
+)
 from .traits import CHUNK, WALK_UNROLL
 
 ROWS = T.GemmWarpPolicy.FullRow     # the state warpgroups split M (= V): RS operand layout
@@ -139,7 +147,12 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     writes nothing. Each element is read and later written by the same thread: slots
     must be distinct (not checked here). The grid is taken from ``cu_seqlens``."""
     assert pool_dtype is None or not warmup, "the state pool is not read by a split"
-    C = CHUNK
+    C = CHUNK                        # A's width, h's rows, the split's walks: 64-token chunks
+    SC = arch.sub_chunk              # the token tile of the loop (C, or C / 2 on SM120)
+    SUBS = C // SC                   # sub-chunks per chunk
+    # sub-chunks serve inference and output_h (the training forward's variants, h in
+    # q's dtype and the states-only recompute, are built only where C is the tile)
+    assert SC * SUBS == C and (SUBS == 1 or not (states_only or h_in_dtype)), SC
     SLOTS = arch.slots
     assert SLOTS >= 2
     budget = ws_budgets(arch, "chunk_fwd_ws")
@@ -163,23 +176,29 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
 
     @T.macro
     def load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, t0, hk, h, c):
-        """TMA the 64-row tiles of chunk ``c`` (first token ``t0``) into slot c % SLOTS
+        """TMA the SC-row tiles of (sub-)chunk ``c`` (first token ``t0``) into slot c % SLOTS
         once the state warpgroups have released it (chunk c - SLOTS); one elected aux
         thread issues them, every aux thread arrives on ``loaded[s]`` (128 arrivals plus
-        the tiles' bytes), which the aux waits on before it prepares the chunk."""
+        the tiles' bytes), which the aux waits on before it prepares the chunk. A
+        sub-chunk's inverse is the diagonal SC x SC block of its chunk's A (A is block
+        lower triangular: docs/blackwell-plan.md, 0.5)."""
         s = c % SLOTS
         T.barrier_wait(empty[s], (c // SLOTS) % 2 ^ 1)
         if not states_only:
-            T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=loaded[s])
-        T.tma_copy(k[t0:t0 + C, hk, :], k_s[s, :, :], barrier=loaded[s])
-        T.tma_copy(v[t0:t0 + C, h, :], v_s[s, :, :], barrier=loaded[s])
-        T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
+            T.tma_copy(q[t0:t0 + SC, hk, :], q_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(k[t0:t0 + SC, hk, :], k_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(v[t0:t0 + SC, h, :], v_s[s, :, :], barrier=loaded[s])
+        if SUBS == 1:
+            T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
+        else:
+            col = (c % SUBS) * SC
+            T.tma_copy(A[t0:t0 + SC, h, col:col + SC], ag_s[s, :, :], barrier=loaded[s])
         T.barrier_arrive(loaded[s])
 
     @T.macro
     def store_o(o, ot, scale, t0, rows, h):
         """o[t0 + t, h, :] = scale * O^T[:, t] for the chunk's ``rows`` rows."""
-        for i, t in T.Parallel(V, C):
+        for i, t in T.Parallel(V, SC):
             if t < rows:
                 o[t0 + t, h, i] = T.cast(ot[i, t] * scale, dtype)
 
@@ -204,30 +223,30 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     ):
         with T.Kernel(grid, threads=384) as bx:
             # SLOTS slots of everything the aux warpgroup prepares for one chunk
-            q_s = T.alloc_shared((SLOTS, C, K), dtype)
-            k_s = T.alloc_shared((SLOTS, C, K), dtype)
-            v_s = T.alloc_shared((SLOTS, C, V), dtype)
-            ag_s = T.alloc_shared((SLOTS, C, C), dtype)       # A as loaded, then Ag in place
-            p_s = T.alloc_shared((SLOTS, C, C), dtype)
-            eg_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam)
-            ed_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam_C - gam)
+            q_s = T.alloc_shared((SLOTS, SC, K), dtype)
+            k_s = T.alloc_shared((SLOTS, SC, K), dtype)
+            v_s = T.alloc_shared((SLOTS, SC, V), dtype)
+            ag_s = T.alloc_shared((SLOTS, SC, SC), dtype)     # A as loaded, then Ag in place
+            p_s = T.alloc_shared((SLOTS, SC, SC), dtype)
+            eg_s = T.alloc_shared((SLOTS, SC), f32)           # exp(gam)
+            ed_s = T.alloc_shared((SLOTS, SC), f32)           # exp(gam_C - gam)
             # aux-only
-            gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
-            beta_s = T.alloc_shared((C,), f32)
+            gam_s = T.alloc_shared((SC,), f32)                # log2-scaled gam
+            beta_s = T.alloc_shared((SC,), f32)
             if stage_h:                                       # state-only
                 h_s = T.alloc_shared((K, V), dtype)           # S0 of the chunk, for TMA
-            qk = T.alloc_fragment((C, C), f32)               # Q K^T, then P
-            gb = T.alloc_fragment((C, C), f32)               # G diag(beta), masked
-            gam_next = T.alloc_fragment((C,), f32)            # gates of the next chunk
-            gam_last_next = T.alloc_fragment((C,), f32)
-            beta_next = T.alloc_fragment((C,), f32)
+            qk = T.alloc_fragment((SC, SC), f32)             # Q K^T, then P
+            gb = T.alloc_fragment((SC, SC), f32)             # G diag(beta), masked
+            gam_next = T.alloc_fragment((SC,), f32)           # gates of the next chunk
+            gam_last_next = T.alloc_fragment((SC,), f32)
+            beta_next = T.alloc_fragment((SC,), f32)
             # state-only (S^T [V, K] and the chunk's [V, C] tiles)
             st = T.alloc_fragment((V, K), f32)
             st_b = T.alloc_fragment((V, K), dtype)
-            ks = T.alloc_fragment((V, C), f32)                # (K S0)^T, then U^T
-            r_b = T.alloc_fragment((V, C), dtype)             # R, then U^T in dtype
-            du_b = T.alloc_fragment((V, C), dtype)            # U^T D
-            ot = T.alloc_fragment((V, C), f32)                # O^T
+            ks = T.alloc_fragment((V, SC), f32)               # (K S0)^T, then U^T
+            r_b = T.alloc_fragment((V, SC), dtype)            # R, then U^T in dtype
+            du_b = T.alloc_fragment((V, SC), dtype)           # U^T D
+            ot = T.alloc_fragment((V, SC), f32)               # O^T
 
             n = T.alloc_var("int32", init=bx // Hv)
             h = T.alloc_var("int32", init=bx % Hv)
@@ -257,7 +276,7 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             seq_len = T.alloc_var("int32", init=cu_seqlens[n + 1] - bos)
             last = T.alloc_var("int32", init=bos + seq_len - 1)
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])
-            chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
+            chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, SC))   # (sub-)chunks
 
             # slot s of chunk c: aux -> state "full" (128 arrivals), state -> aux "empty"
             full = T.alloc_barrier([128] * SLOTS)
@@ -283,17 +302,17 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                     fetch_gates(g_cumsum, beta, h, bos, last, gam_next, gam_last_next,
                                 beta_next)
                 for c in T.serial(chunks):
-                    a0 = bos + c * C
-                    a_rows = T.min(seq_len - c * C, C)
+                    a0 = bos + c * SC
+                    a_rows = T.min(seq_len - c * SC, SC)
                     sa = c % SLOTS
                     # chunk c + 1's copies fly while chunk c is prepared
                     if c + 1 < chunks:
-                        load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, a0 + C,
+                        load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, a0 + SC,
                                    hk, h, c + 1)
                     T.barrier_wait(loaded[sa], (c // SLOTS) % 2)  # chunk c's tiles landed
                     # rows past the end (next sequence, padding: maybe NaN) zeroed
-                    if a_rows < C:
-                        for i, j in T.Parallel(C, K):
+                    if a_rows < SC:
+                        for i, j in T.Parallel(SC, K):
                             if i >= a_rows:
                                 if not states_only:
                                     q_s[sa, i, j] = T.cast(0, dtype)
@@ -301,13 +320,16 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                                 v_s[sa, i, j] = T.cast(0, dtype)
                     # gates (fetched one chunk ahead; rows past the end repeat the last
                     # gam and have beta = 0), then the next chunk's fetch
-                    for i in T.Parallel(C):
+                    for i in T.Parallel(SC):
                         gam_s[i] = gam_next[i] * LOG2E
                         beta_s[i] = beta_next[i]
                         eg_s[sa, i] = T.exp2(gam_next[i] * LOG2E)
                         ed_s[sa, i] = T.exp2((gam_last_next[i] - gam_next[i]) * LOG2E)
-                    fetch_gates(g_cumsum, beta, h, a0 + C, last, gam_next, gam_last_next,
+                    fetch_gates(g_cumsum, beta, h, a0 + SC, last, gam_next, gam_last_next,
                                 beta_next)
+                    if SUBS > 1:     # a second half: its gam from its own start (rebased)
+                        if (c + 1) % SUBS != 0:
+                            rebase_gates(g_cumsum, h, a0 + SC, last, gam_next, gam_last_next)
                     T.fence_proxy_async()
                     T.sync_threads(AUX_BARRIER, 128)
                     if not states_only:
@@ -317,14 +339,14 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                     # loads, so nvcc keeps each thread's few distinct gam / beta values
                     # in registers instead of reloading them after every store), then
                     # the stores of P and Ag
-                    for i, j in T.Parallel(C, C):
+                    for i, j in T.Parallel(SC, SC):
                         live = (i >= j) & (i < a_rows)
                         e = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))   # no branch:
                         decay = T.if_then_else(live, e, 0.0)          # exp2, then select
                         if not states_only:
                             qk[i, j] = qk[i, j] * decay                           # P
                         gb[i, j] = decay * beta_s[j]
-                    for i, j in T.Parallel(C, C):                # (A's rows past the
+                    for i, j in T.Parallel(SC, SC):              # (A's rows past the
                         if not states_only:                          # end are selected
                             p_s[sa, i, j] = qk[i, j]
                         ag_s[sa, i, j] = T.if_then_else(             # away, not scaled)
@@ -362,10 +384,18 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                 else:
                     T.clear(st)
                 for c in T.serial(chunks):
-                    t0 = bos + c * C
-                    rows = T.min(seq_len - c * C, C)
+                    t0 = bos + c * SC
+                    rows = T.min(seq_len - c * SC, SC)
                     ss = c % SLOTS
-                    if store_h and not stage_h and warmup:
+                    if SUBS > 1 and store_h:          # fp32 h at each chunk's first half
+                        if c % SUBS == 0:
+                            if warmup:
+                                if t0 >= out_bos:
+                                    store_transposed(h_out, st,
+                                                     first_chunk + (t0 - out_bos) // C, h)
+                            else:
+                                store_transposed(h_out, st, first_chunk + c // SUBS, h)
+                    elif store_h and not stage_h and warmup:
                         if t0 >= out_bos:                     # the segment's own chunks
                             store_transposed(h_out, st, first_chunk + (t0 - out_bos) // C, h)
                     elif store_h and not stage_h:
@@ -402,7 +432,7 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                         gemm(r_b, p_s[ss, :, :], ot, transpose_B=True,
                                      policy=ROWS)                                 # + U^T P^T
                     for i, j in T.Parallel(V, K):
-                        st[i, j] = st[i, j] * eg_s[ss, C - 1]
+                        st[i, j] = st[i, j] * eg_s[ss, SC - 1]
                     T.gemm(du_b, k_s[ss, :, :], st, policy=ROWS)                 # + (U^T D) K
                     T.barrier_arrive(empty[ss])
                     if warmup and not states_only:

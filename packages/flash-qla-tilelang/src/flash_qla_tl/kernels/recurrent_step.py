@@ -12,7 +12,11 @@ The start state is read from ``h0[state_idx[n]]`` and the final state written to
 ``ht[state_idx[n]]``: with ``h0`` and ``ht`` the same pool tensor an engine's state
 slots are updated in place, with no gather or scatter pass around the call, in the
 pool's own dtype (fp32, bf16, fp16) and layout (k-first or v-first), the ones the
-prefill on a pool takes (``chunk_state_output``), so one pool serves both.
+prefill on a pool takes (``chunk_state_output``), so one pool serves both. A v-first
+slice (``[BV, K]``, rows of K contiguous) goes through shared memory with the lanes
+along K: read straight into the registers' layout (lanes along the 16 columns) each
+warp access touched 16 rows, and the v-first pool step took 2.3x the k-first one
+(H100, 32 sequences, 16/32).
 """
 
 import tilelang.language as T
@@ -77,13 +81,18 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool,
             q_s = T.alloc_shared((K,), accum)
             k_s = T.alloc_shared((K,), accum)
             v_s = T.alloc_shared((BV,), accum)
+            if v_first:     # the [BV, K] slab, staged; rows padded by 16 B: 2-way bank
+                slab = T.alloc_shared((BV, K + 4), accum)   # conflicts, aligned vectors
             T.clear(S)
             if has_h0:
                 if slot >= 0:
-                    for i, j in T.Parallel(K, BV):
-                        if v_first:
-                            S[i, j] = T.cast(h0[slot, h, bv * BV + j, i], accum)
-                        else:
+                    if v_first:     # lanes along K: coalesced reads of the slab's rows
+                        for j, i in T.Parallel(BV, K):
+                            slab[j, i] = T.cast(h0[slot, h, bv * BV + j, i], accum)
+                        for i, j in T.Parallel(K, BV):
+                            S[i, j] = slab[j, i]
+                    else:
+                        for i, j in T.Parallel(K, BV):
                             S[i, j] = T.cast(h0[slot, h, i, bv * BV + j], accum)
             for t in T.serial(eos - bos):
                 tok = bos + t
@@ -107,10 +116,13 @@ def recurrent_step_kernel(arch: Arch, dtype: str, K: int, V: int, has_h0: bool,
                 for j in T.Parallel(BV):
                     o[tok, h, bv * BV + j] = T.cast(col[j] * scale, dtype)
             if slot >= 0:
-                for i, j in T.Parallel(K, BV):
-                    if v_first:
-                        ht[slot, h, bv * BV + j, i] = T.cast(S[i, j], state_dtype)
-                    else:
+                if v_first:
+                    for i, j in T.Parallel(K, BV):
+                        slab[j, i] = S[i, j]
+                    for j, i in T.Parallel(BV, K):
+                        ht[slot, h, bv * BV + j, i] = T.cast(slab[j, i], state_dtype)
+                else:
+                    for i, j in T.Parallel(K, BV):
                         ht[slot, h, i, bv * BV + j] = T.cast(S[i, j], state_dtype)
             if n == N - 1:                  # padding tokens after the last sequence: zeros
                 for t in T.serial(Tt - eos):

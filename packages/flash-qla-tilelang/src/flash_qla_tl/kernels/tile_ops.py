@@ -2,7 +2,8 @@
 
 - ``fetch_gates`` / ``stage_gates``: a chunk's gates global -> registers (issued one chunk
   ahead, so the loads overlap the current chunk) -> shared memory as the per-row factors
-  of the chunked form (gdn-math.md): log2-scaled gam, exp(gam), exp(gam_C - gam), beta.
+  of the chunked form (gdn-math.md): log2-scaled gam, exp(gam), exp(gam_C - gam), beta;
+  ``rebase_gates``: a sub-chunk's own cumsum from its chunk's.
 - ``zero_rows_past``: zero a shared tile's rows past the end of a sequence, so that NaN
   or Inf in padding (or in the next sequence's rows) never meets a GEMM as 0 * NaN.
 - ``search_walk_end``: where a bounded split's reverse walk ends (the dS sweeps).
@@ -53,6 +54,18 @@ def fetch_gates(g_cumsum, beta, h, start, last, gam_next, gam_last_next, beta_ne
         gam_next[i] = g_cumsum[T.min(start + i, last), h]
         gam_last_next[i] = g_cumsum[T.min(start + C - 1, last), h]
         beta_next[i] = T.if_then_else(start + i <= last, beta[start + i, h], 0.0)
+
+
+@T.macro
+def rebase_gates(g_cumsum, h, start, last, gam_next, gam_last_next):
+    """Gates fetched by :func:`fetch_gates` for a sub-chunk that starts inside its chunk
+    (at token ``start``, not a chunk boundary): ``g_cumsum`` is the cumsum from the
+    chunk's first token, so subtract its value at ``start - 1`` (clamped to ``last``)
+    to get the sub-chunk's own cumsum, the gam its recurrence step takes."""
+    base = g_cumsum[T.min(start - 1, last), h]
+    for i in T.Parallel(gam_next.shape[0]):
+        gam_next[i] = gam_next[i] - base
+        gam_last_next[i] = gam_last_next[i] - base
 
 
 @T.macro
