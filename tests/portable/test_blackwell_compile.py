@@ -2,8 +2,9 @@
 for an explicit target, ptxas compiles; no GPU).
 
 For SM100 (``sm_100a``, ``sm_103a``) and SM120 (``sm_120a``, ``sm_121a``), each kernel
-builder of ``flash_qla_tl.precompile.variants(arch)`` (per push: its first bf16 variant;
-``FLASH_QLA_FULL_COMPILE=1``: every variant, as ``nox -s build`` compiles them):
+builder of ``flash_qla_tl.precompile.variants(arch)`` (by default its first bf16
+variant; ``FLASH_QLA_FULL_COMPILE=1``, which CI sets: every variant, as ``nox -s build``
+compiles them, each family's text lowered once and compiled for each of its targets):
 
 - no ``wgmma`` (Hopper only) and no ``tcgen05`` (SM100 family only; none in the portable
   kernels) in the generated CUDA;
@@ -11,15 +12,16 @@ builder of ``flash_qla_tl.precompile.variants(arch)`` (per push: its first bf16 
   (227 KB on SM100, 101,376 B on SM120); spills are recorded (junit property
   ``spill_bytes``) and may not exceed :data:`SPILL_BUDGET`;
 - offsets into token-sized tensors are 64-bit;
-- the family's targets share one CUDA text (``sm_103a`` = ``sm_100a``, ``sm_121a`` =
-  ``sm_120a``), and the Hopper proof build (``flash_qla_tl.arch.proof``, what the H200
-  runs under ``FLASH_QLA_PROOF_ARCH``) has the same mma.sync instantiations, ldmatrix,
-  TMA, mbarrier and setmaxnreg calls and the same shared-memory layout;
+- (each builder's first bf16 variant) the family's targets share one CUDA text
+  (``sm_103a`` = ``sm_100a``, ``sm_121a`` = ``sm_120a``), and the Hopper proof build
+  (``flash_qla_tl.arch.proof``, what the H200 runs under ``FLASH_QLA_PROOF_ARCH``) has
+  the same mma.sync instantiations, ldmatrix, TMA, mbarrier and setmaxnreg calls and
+  the same shared-memory layout;
 - the fused reverse kernel's cross-warp reductions (named barriers 1 and 2) run in its
   intra role only.
 
 Lowering only (``tests.kernel_build``), each (arch, variant) once per session: ~4 minutes
-on 2 cores per push.
+on 2 cores for the first variants; every variant: see the timing in the CI note.
 """
 
 from __future__ import annotations
@@ -75,25 +77,30 @@ def _full() -> bool:
     return os.environ.get("FLASH_QLA_FULL_COMPILE") == "1"
 
 
-def _variants(arch) -> list:
-    """(builder, static args) checked for ``arch``: per push the first bf16 variant of
-    each builder, else every variant."""
+@functools.cache
+def _variants(arch_name: str) -> tuple:
+    """Every (builder, static args) ``precompile.variants`` ships for the arch."""
     from flash_qla_tl.precompile import variants
 
-    every = list(variants(arch))
-    if _full():
-        return every
+    return tuple(variants(ARCHES[arch_name]))
+
+
+def _first_of_each_builder(arch_name: str) -> list[int]:
+    """Indices (into :func:`_variants`) of each builder's first bf16 variant."""
     first = {}
-    for builder, args in every:
+    for i, (builder, args) in enumerate(_variants(arch_name)):
         if args[1] == "bfloat16":
-            first.setdefault(builder.__name__, (builder, args))
+            first.setdefault(builder.__name__, i)
     return list(first.values())
 
 
-def _cases() -> list:
-    return [pytest.param(name, i, id=f"{name}-{builder.__name__}{'-' if _full() else ''}"
-                         f"{i if _full() else ''}")
-            for name, arch in ARCHES.items() for i, (builder, _) in enumerate(_variants(arch))]
+def _cases(every: bool) -> list:
+    """(arch name, variant index) parameters: each builder's first bf16 variant, or
+    (``every``) every variant."""
+    return [pytest.param(name, i, id=f"{name}-{_variants(name)[i][0].__name__}"
+                                     f"{f'-{i}' if every else ''}")
+            for name in ARCHES
+            for i in (range(len(_variants(name))) if every else _first_of_each_builder(name))]
 
 
 @functools.cache
@@ -101,17 +108,20 @@ def _lowered(arch_name: str, index: int, proof_twin: bool = False):
     """(builder, args, artifact) of variant ``index`` of ``arch_name``, lowered once per
     session (``proof_twin``: the same variant built for ``proof(arch)``)."""
     arch = ARCHES[arch_name]
-    builder, args = _variants(arch)[index]
+    builder, args = _variants(arch_name)[index]
     if proof_twin:
         arch = proof(arch)
         args = (arch, *args[1:])
     return builder, args, lowered(builder, *args)
 
 
-@pytest.mark.parametrize("arch_name, index", _cases())
+@pytest.mark.parametrize("arch_name, index", _cases(_full()))
 def test_compiles_within_the_arch_limits(arch_name, index, tmp_path, record_property):
     arch = ARCHES[arch_name]
-    builder, args, art = _lowered(arch_name, index)
+    family = FAMILY.get(arch_name, arch_name)
+    # every variant: a family member compiles its family's CUDA text for its own target
+    # (the texts are one: test_family_targets_share_the_cuda_text, per builder)
+    builder, args, art = _lowered(family if _full() else arch_name, index)
     src = art.kernel_source
     assert not [op for op in HOPPER_OR_SM100_ONLY if op in src]
     report = ptxas_report(src, tmp_path, arch.target)
@@ -120,14 +130,13 @@ def test_compiles_within_the_arch_limits(arch_name, index, tmp_path, record_prop
     smem = lowered_dynamic_smem(art) + static_smem(report)
     record_property("smem_bytes", smem)
     assert smem <= arch.smem_limit, (smem, arch.smem_limit)
-    family = FAMILY.get(arch_name, arch_name)
     assert spilled <= SPILL_BUDGET[family, builder.__name__], report[-600:]
     if builder.__name__ != "group_sum_kernel":      # [G, M, K] rows: no token tensor
         assert not narrow_accesses(src)
 
 
 @pytest.mark.parametrize("arch_name, index",
-                         [p for p in _cases() if p.values[0] in FAMILY])
+                         [p for p in _cases(False) if p.values[0] in FAMILY])
 def test_family_targets_share_the_cuda_text(arch_name, index):
     _, _, art = _lowered(arch_name, index)
     _, _, first = _lowered(FAMILY[arch_name], index)
@@ -149,7 +158,7 @@ def _signature(src: str) -> collections.Counter:
 
 
 @pytest.mark.parametrize("arch_name, index",
-                         [p for p in _cases() if p.values[0] in ("sm100", "sm120")])
+                         [p for p in _cases(False) if p.values[0] in ("sm100", "sm120")])
 def test_proof_build_runs_the_same_instructions(arch_name, index):
     _, _, art = _lowered(arch_name, index)
     _, _, twin = _lowered(arch_name, index, proof_twin=True)
@@ -162,7 +171,7 @@ def test_fused_kernel_reduces_across_warps_in_its_intra_role_only():
     """TileLang's cross-warp reductions use named barriers 1 and 2: only one role may
     run them (mma.sync tiles are split by columns unless the products ask for whole
     rows, which ``chunk_grads_fused`` does for all of them: then no role has one)."""
-    index = next(i for i, (b, _) in enumerate(_variants(SM100))
+    index = next(i for i, (b, _) in enumerate(_variants("sm100"))
                  if b.__name__ == "chunk_bwd_fused_kernel")
     src = _lowered("sm100", index)[2].kernel_source
     blocks = re.split(r"tl::warpgroup_reg_(?:alloc|dealloc)<\d+>", src)
