@@ -125,12 +125,27 @@ def test_fused_backward_plans_from_the_walks():
     assert choice.value is False and "chunk_state_grad" in choice.reason
 
 
-def test_keep_states_where_the_chunk_count_needs_no_sync():
+def test_keep_states_where_the_chunk_count_needs_no_sync(monkeypatch):
+    """Dense, host offsets, or inside a capture (h sized by the layout's bound)."""
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     assert plan.keep_states(dense_layout(2, 64, torch.device("cpu")), None).value is True
     assert plan.keep_states(varlen_layout(cu, 300), cu).value is True
     choice = plan.keep_states(varlen_layout(cu, 300), None)
     assert choice.value is False and "sync" in choice.reason
+    monkeypatch.setattr(plan, "is_capturing", lambda device: True)
+    choice = plan.keep_states(varlen_layout(cu, 300), None)
+    assert choice.value is True and "bound" in choice.reason
+
+
+def test_fused_backward_in_a_capture_follows_the_warm_up_lengths():
+    """Without host offsets (a capture) the walks are bounded by the token count, which
+    keeps the two kernels for 6 sequences of 16k tokens at 16/32; the host copy an
+    eager warm-up kept of the same tensor, passed as ``hint``, plans as eagerly."""
+    cu = torch.tensor([0, 5000, 8000, 10500, 12500, 14884, 16384], dtype=torch.int32)
+    layout = varlen_layout(cu, 16384)
+    assert plan.fused_backward(layout, cu, 32, SMS).value is True
+    assert plan.fused_backward(layout, None, 32, SMS).value is False
+    assert plan.fused_backward(layout, None, 32, SMS, hint=cu).value is True
 
 
 def test_each_choice_is_logged_once(caplog):

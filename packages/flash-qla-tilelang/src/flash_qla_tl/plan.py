@@ -28,6 +28,8 @@ import functools
 import logging
 from typing import Any, NamedTuple
 
+from flash_qla.validation import is_capturing
+
 from .kernels.traits import CHUNK
 from .layout import ChunkLayout, chunks_known, walk_chunks
 
@@ -97,18 +99,25 @@ def _chosen(what: str, choice: Choice) -> Choice:
 
 def keep_states(layout: ChunkLayout, cu_seqlens_cpu) -> Choice:
     """Whether a training forward stores its chunk states h (in q's dtype) for the
-    backward, which then reads them instead of recomputing them: where the chunk count,
-    h's size, is known without a host sync (dense inputs, or host offsets). Elsewhere
-    the backward recomputes h."""
-    return _keep_states(layout.num_chunks is not None, chunks_known(layout, cu_seqlens_cpu))
+    backward, which then reads them instead of recomputing them: where h's size is
+    known without a host sync: the chunk count (dense inputs, or host offsets), or,
+    inside a CUDA-graph capture, the layout's bound (:func:`layout.total_chunks`: rows
+    past a replay's real count are neither written nor read). Elsewhere (an eager call with
+    device offsets and no host copy, which the API never makes) the backward recomputes
+    h."""
+    return _keep_states(layout.num_chunks is not None, chunks_known(layout, cu_seqlens_cpu),
+                        is_capturing(layout.cu_seqlens.device))
 
 
-@functools.lru_cache(maxsize=4)
-def _keep_states(dense: bool, known: bool) -> Choice:
+@functools.lru_cache(maxsize=8)
+def _keep_states(dense: bool, known: bool, capturing: bool) -> Choice:
     if known:
         why = "dense input" if dense else "host offsets (cu_seqlens_cpu)"
         return _chosen("keep h for the backward",
                        Choice(True, f"{why}: the chunk count is known without a sync"))
+    if capturing:
+        return _chosen("keep h for the backward",
+                       Choice(True, "CUDA-graph capture: h sized by the layout's bound"))
     return _chosen("keep h for the backward",
                    Choice(False, "device-only cu_seqlens: h's size would need a host sync; "
                                  "the backward recomputes h"))
@@ -258,12 +267,16 @@ def fused_pays(longest: int, total: int, Hv: int, sm_count: int) -> bool:
             < BWD_SWEEP_STEP_US * spread + BWD_INTRA_CTA_US * per_sm)
 
 
-def fused_backward(layout: ChunkLayout, cu_seqlens_cpu, Hv: int, sm_count: int) -> Choice:
+def fused_backward(layout: ChunkLayout, cu_seqlens_cpu, Hv: int, sm_count: int,
+                   hint=None) -> Choice:
     """Whether the backward of a call (or of a split's segments: ``layout`` holds them)
-    runs the fused reverse kernel (:func:`fused_pays` on the call's walks; without host
-    offsets their lengths are bounded by the token count, as if one sequence held every
-    token, which keeps the two kernels)."""
-    return _fused_backward(*walk_chunks(layout, cu_seqlens_cpu), Hv, sm_count)
+    runs the fused reverse kernel (:func:`fused_pays` on the call's walks). Without host
+    offsets (inside a CUDA-graph capture): from ``hint``, host offsets an eager call
+    read of the same unmodified tensor (``flash_qla.offsets.kept_offsets``: a heuristic,
+    both choices are exact at any replay's lengths), else bounded by the token count, as
+    if one sequence held every token, which keeps the two kernels."""
+    return _fused_backward(*walk_chunks(layout, cu_seqlens_cpu if cu_seqlens_cpu is not None
+                                        else hint), Hv, sm_count)
 
 
 @functools.lru_cache(maxsize=256)
