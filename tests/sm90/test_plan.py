@@ -126,15 +126,18 @@ def test_fused_backward_plans_from_the_walks():
 
 
 def test_keep_states_where_the_chunk_count_needs_no_sync(monkeypatch):
-    """Dense, host offsets, or inside a capture (h sized by the layout's bound)."""
+    """Dense, host offsets, or inside a capture (h sized by the layout's bound) where
+    the backward reads h in the same chunk numbering."""
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     assert plan.keep_states(dense_layout(2, 64, torch.device("cpu")), None).value is True
     assert plan.keep_states(varlen_layout(cu, 300), cu).value is True
     choice = plan.keep_states(varlen_layout(cu, 300), None)
     assert choice.value is False and "sync" in choice.reason
     monkeypatch.setattr(plan, "is_capturing", lambda device: True)
-    choice = plan.keep_states(varlen_layout(cu, 300), None)
+    choice = plan.keep_states(varlen_layout(cu, 300), None, bound_ok=True)
     assert choice.value is True and "bound" in choice.reason
+    # a varlen split laid out on the device: its backward runs unsplit, h not kept
+    assert plan.keep_states(varlen_layout(cu, 300), None).value is False
 
 
 def test_fused_backward_in_a_capture_follows_the_warm_up_lengths():

@@ -72,7 +72,8 @@ def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, 
     :func:`plan.keep_states`, else None."""
     B, T, _, K = q.shape
     Hv, V = v.shape[2:]
-    keep = keep_states and not output_h and plan.keep_states(layout, cu_seqlens_cpu).value
+    keep = keep_states and not output_h and plan.keep_states(layout, cu_seqlens_cpu,
+                                                             bound_ok=True).value
     o, final_state, h = state_output(
         packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, layout, arch=arch, scale=scale,
         initial_state=initial_state, alloc=alloc, h_in_dtype=keep,

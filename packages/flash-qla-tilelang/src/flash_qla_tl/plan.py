@@ -97,16 +97,17 @@ def _chosen(what: str, choice: Choice) -> Choice:
 
 # ---- whether the forward keeps h for the backward -------------------------------------
 
-def keep_states(layout: ChunkLayout, cu_seqlens_cpu) -> Choice:
+def keep_states(layout: ChunkLayout, cu_seqlens_cpu, bound_ok: bool = False) -> Choice:
     """Whether a training forward stores its chunk states h (in q's dtype) for the
     backward, which then reads them instead of recomputing them: where h's size is
     known without a host sync: the chunk count (dense inputs, or host offsets), or,
-    inside a CUDA-graph capture, the layout's bound (:func:`layout.total_chunks`: rows
-    past a replay's real count are neither written nor read). Elsewhere (an eager call with
-    device offsets and no host copy, which the API never makes) the backward recomputes
-    h."""
+    with ``bound_ok`` inside a CUDA-graph capture, the layout's bound
+    (:func:`layout.total_chunks`: rows past a replay's real count are neither written
+    nor read). ``bound_ok``: the backward reads h in this layout's chunk numbering (the
+    unsplit forward; not a varlen split captured on the device, whose backward runs
+    unsplit on the sequences' chunks). Elsewhere the backward recomputes h."""
     return _keep_states(layout.num_chunks is not None, chunks_known(layout, cu_seqlens_cpu),
-                        is_capturing(layout.cu_seqlens.device))
+                        bound_ok and is_capturing(layout.cu_seqlens.device))
 
 
 @functools.lru_cache(maxsize=8)
