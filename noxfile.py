@@ -1,6 +1,7 @@
 """Sessions of the FlashQLA monorepo (run from the repository root).
 
-    nox -s tests    CPU test suite: core + every kernel package's CPU tests (CI runs this)
+    nox -s tests    CPU test suite: core + every kernel package's CPU tests, then every
+                    Blackwell kernel variant compiled for its targets (CI runs this)
     nox -s gpu      the whole suite, tests marked `gpu` included; skips without a GPU
     nox -s lint     ruff check
     nox -s build    wheel + sdist of each package into dist/ (one session per package)
@@ -37,12 +38,12 @@ def _install_packages(session: nox.Session, *pip_args: str, extras: str = "test,
     session.install(*pip_args, *args)
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
+def _pytest(session: nox.Session, *args: str, env: dict | None = None) -> None:
     """Run pytest and fail unless at least one test ran (passed or failed, not skipped)."""
     junit = Path(session.create_tmp()) / "junit.xml"
     junit.unlink(missing_ok=True)
     session.run("pytest", f"--junitxml={junit}", *args, *session.posargs,
-                env={"FLASH_QLA_REQUIRE_PACKAGES": "1"})
+                env={"FLASH_QLA_REQUIRE_PACKAGES": "1", **(env or {})})
     if not junit.exists():            # --install-only: pytest did not run, nothing to count
         return
     root = ET.parse(junit).getroot()
@@ -53,12 +54,25 @@ def _pytest(session: nox.Session, *args: str) -> None:
     session.log(f"{ran} tests ran")
 
 
+def _has_nvcc() -> bool:
+    """nvcc on PATH or under $CUDA_HOME/bin (as tests/conftest.py's `nvcc` marker asks)."""
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    return shutil.which("nvcc") is not None or os.access(os.path.join(home, "bin", "nvcc"),
+                                                          os.X_OK)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """CPU tests: every test not marked `gpu`."""
+    """CPU tests: every test not marked `gpu`; then, where nvcc is and no pytest arguments
+    were given, every shipped Blackwell kernel variant compiled for each of its targets
+    (tests/portable with FLASH_QLA_FULL_COMPILE=1, one worker per CPU)."""
     session.install(CPU_TORCH)
     _install_packages(session)
     _pytest(session, "-m", "not gpu")
+    if _has_nvcc() and not session.posargs:
+        _pytest(session, "tests/portable", "-k", "test_compiles_within_the_arch_limits",
+                "-n", "auto", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                env={"FLASH_QLA_FULL_COMPILE": "1"})
 
 
 def _has_nvidia_driver() -> bool:
