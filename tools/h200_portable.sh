@@ -10,8 +10,9 @@
 #            side by side on the one GPU (TEST_GROUPS overrides: ";"-separated)
 #   sm120    FLASH_QLA_PROOF_ARCH=sm120: the forward's and decode's GPU tests (SM120 builds
 #            no backward: its training cases skip; SM120_TESTS overrides)
-#   bench    bench_gated_delta_rule.py --quick (ours only, fwd and bwd) for SM90 and for
-#            proof(SM100), in one call: a table of the ratios (same GPU, same run)
+#   bench    bench_gated_delta_rule.py (BENCH_ROWS, default --quick) for SM90 beside FLA
+#            0.6.0 (BENCH_PEERS), proof(SM100) fwd + bwd and proof(SM120) fwd: one table
+#            of eager ms (same GPU, same lease)
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (carry it next time)
 # Results: $OUT/results.tar.xz (logs, bench JSON); the short tables are printed last.
 # Usage on the H200, repository root, carry [".offline-gpu"]:
@@ -61,12 +62,16 @@ if has sm120; then
   STATUS[sm120]="$((SECONDS - start)) s: $(tail -1 "$R/sm120-tests.txt")"
   echo "sm120 proof tests (forward, decode): ${STATUS[sm120]}"
 fi
-if has bench; then
-  for arch in sm90 sm100; do
-    proof=""; [[ $arch == sm100 ]] && proof=sm100
-    FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap 150)" python3 benchmark/bench_gated_delta_rule.py \
-      --quick --mode both --peers none --out "$R/bench" --tag "H200-$arch" \
-      --deadline-s "$(cap 130)" > "$R/bench-$arch.txt" 2>&1
+if has bench; then   # BENCH_ROWS: bench --shapes (default --quick); FLA beside SM90
+  rows=${BENCH_ROWS:+--shapes $BENCH_ROWS}; rows=${rows:---quick}
+  for arch in sm90 sm100 sm120; do
+    proof=""; peers=none; mode=both
+    [[ $arch == sm90 ]] && peers=${BENCH_PEERS:-fla}
+    [[ $arch != sm90 ]] && proof=$arch
+    [[ $arch == sm120 ]] && mode=fwd                 # SM120 builds no backward
+    FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap 200)" python3 benchmark/bench_gated_delta_rule.py \
+      $rows --mode $mode --peers $peers --fla-tuning cached --out "$R/bench" --tag "H200-$arch" \
+      --deadline-s "$(cap 180)" > "$R/bench-$arch.txt" 2>&1
     echo "bench $arch: rc=$?"
   done
 fi
@@ -87,13 +92,12 @@ def rows(tag):
         return {}
     return {r["shape"]: r for r in json.load(open(path))["results"]
             if r.get("impl") == "ours" and r.get("status") == "ok"}
-base, port = rows("H200-sm90"), rows("H200-sm100")
-if base or port:
-    print(f"{'shape':<28}{'SM90 graph ms':>15}{'proof-sm100 ms':>16}{'ratio':>8}")
-    for shape in sorted(set(base) | set(port)):
-        a, b = base.get(shape, {}).get("graph_ms"), port.get(shape, {}).get("graph_ms")
-        ratio = f"{b / a:.2f}x" if a and b else "-"
-        fmt = lambda x: f"{x:.3f}" if x else "-"
-        print(f"{shape:<28}{fmt(a):>15}{fmt(b):>16}{ratio:>8}")
+base, s100, s120 = rows("H200-sm90"), rows("H200-sm100"), rows("H200-sm120")
+if base or s100 or s120:
+    print(f"{'shape':<28}{'SM90 ms':>10}{'SM100 build':>13}{'SM120 build':>13}")
+    for shape in sorted(set(base) | set(s100) | set(s120)):
+        cells = [d.get(shape, {}).get("eager_ms") for d in (base, s100, s120)]
+        print(f"{shape:<28}" + "".join(f"{c:>{w}.3f}" if c else f"{'-':>{w}}"
+                                       for c, w in zip(cells, (10, 13, 13))))
 PY
 for stage in compile sm100 sm120; do [ -n "${STATUS[$stage]:-}" ] && echo "$stage: ${STATUS[$stage]}"; done
