@@ -93,7 +93,8 @@ def fused_recurrent_gated_delta_rule(
     for name, x in (("gk", gk), ("gv", gv)):
         if x is not None:
             raise NotImplementedError(f"{name} (FLA's per-key / per-value gate) is not "
-                                      "supported; pass the per-head gate g")
+                                      "supported; pass the per-head gate g (and beta by "
+                                      "keyword: FLA's signature puts gk, gv before beta)")
     validation.check_bool("allow_neg_eigval", allow_neg_eigval)
     if allow_neg_eigval:
         raise NotImplementedError("allow_neg_eigval=True is not supported; pass False")

@@ -56,7 +56,7 @@ def check_state_pool(pool, state_indices, q: torch.Tensor, v: torch.Tensor, N: i
     layout = "[P, Hv, V, K] (v-first)" if v_first else "[P, Hv, K, V]"
     if pool is None:
         raise ValueError(f"state_indices needs initial_state: the state pool {layout} the "
-                         "slots index")
+                         "slots index; got initial_state=None")
     validation.check_is_tensor("initial_state", pool)
     Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
     dims = (Hv, V, K) if v_first else (Hv, K, V)
