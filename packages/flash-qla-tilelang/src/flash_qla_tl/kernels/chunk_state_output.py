@@ -34,6 +34,12 @@ masks, Q K^T) is left on the state chain, and the two state warpgroups never
 synchronise with each other. TileLang's automatic synchronisation is off for this
 kernel: it would put CTA-wide barriers between the role blocks and serialise them.
 
+Sub-chunks (``arch.sub_chunk`` < 64: SM120, whose 99 KB of shared memory do not hold
+three slots of 64-token tiles): the loop walks 32-token tiles; a sub-chunk's inverse is
+the diagonal block of its chunk's A, its gates are rebased to its own start
+(``tile_ops.rebase_gates``), h rows stay per 64-token chunk (stored at each chunk's first
+half), and the split's walks stay on chunk totals.
+
 Registers: setmaxnreg gives the state warpgroups 208 and the aux one 88 (at the plain
 168, ptxas serialised every WGMMA k-step). The aux's mask pass runs in two loops, the
 gate factors into registers first and the P / Ag stores after, so the few gate values
