@@ -157,4 +157,3 @@ def fused_recurrent_gated_delta_rule(
     if not output_final_state:
         return o, None
     return o, (final.transpose(-1, -2).contiguous() if state_v_first else final)
-

@@ -296,10 +296,8 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale,
     common = dict(arch=arch, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static=True)   # segment offsets
     if fused is None:
-        hint = None if cu_seqlens is None or cu_seqlens_cpu is not None else \
-            kept_offsets(cu_seqlens)                   # a capture's eager warm-up, if any
         fused = arch.fused_backward and plan.fused_backward(
-            p.layout, cu_seqlens_cpu, v.shape[2], sm_count(q.device), hint).value
+            p.layout, cu_seqlens_cpu, v.shape[2], sm_count(q.device)).value
     h = states if states is not None else chunk_states(
         q, k, v, g_cumsum, beta, A, initial_state=initial_state, packed=p, walks=starts,
         **common)

@@ -112,7 +112,8 @@ def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
     yield chunk_prepare_blocked_kernel, (arch, dtype, K)
     for has_h0 in (False, True):
         for store_h, *flags in FWD_FLAGS:
-            if arch.training or store_h is False or flags == []:    # no kept h
+            h_in_dtype = flags[1:2] == [True]        # h kept for the backward (training)
+            if arch.training or not h_in_dtype:
                 yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)
     for pool_dtype in POOL_DTYPES:                       # prefill on a state pool
         for v_first in (False, True):
