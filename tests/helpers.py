@@ -47,22 +47,28 @@ def kernel_arch():
     return served_arch()
 
 
-def skip_unless_kernels_train() -> None:
-    """Skip a GPU test that trains through the sm90 loader's kernels when the served
-    arch builds no backward (``Arch.training=False``: ``FLASH_QLA_PROOF_ARCH=sm120``,
-    whose arch ships the forward and decode only and refuses training calls)."""
-    import pytest
+def chunk_start_states(h, arch):
+    """The chunk-start states of the backward's state tensor ``h`` (``[NT *
+    state_rows(arch), Hv, K, V]``: a row per sub-chunk on an arch with sub-chunks, the
+    first of each chunk's rows at its start) as the references take them, ``[NT, Hv, K,
+    V]``."""
+    from flash_qla_tl.layout import state_rows
 
-    arch = kernel_arch()
-    if not arch.training:
-        pytest.skip(f"{arch.name} builds no backward: inference only")
+    return h[::state_rows(arch)]
 
 
 def force_fused_backward(monkeypatch, fused: bool) -> None:
     """Both sm90 backwards (unsplit and bounded split) take the fused kernel (True) or
     the sweep and the per-chunk kernel (False), whatever ``plan.fused_backward`` would
-    pick (imports the sm90 package: call it from sm90 tests only)."""
+    pick (imports the sm90 package: call it from sm90 tests only). Skips the test for
+    True where the served arch builds no fused kernel (``Arch.fused_backward=False``:
+    ``FLASH_QLA_PROOF_ARCH=sm120``)."""
+    import pytest
+
     from flash_qla_tl import backward
+
+    if fused and not kernel_arch().fused_backward:
+        pytest.skip(f"{kernel_arch().name} builds no fused backward")
 
     for name in ("chunk_bwd", "chunk_bwd_warmup"):
         planned = getattr(backward, name)

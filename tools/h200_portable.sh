@@ -8,11 +8,15 @@
 #   sm100    FLASH_QLA_PROOF_ARCH=sm100: the GPU tests of the plan's steps 2-5 (forward,
 #            backward, fused and two-kernel, drop-in, compile API, decode), three groups
 #            side by side on the one GPU (TEST_GROUPS overrides: ";"-separated)
-#   sm120    FLASH_QLA_PROOF_ARCH=sm120: the forward's and decode's GPU tests (SM120 builds
-#            no backward: its training cases skip; SM120_TESTS overrides)
+#   sm120    FLASH_QLA_PROOF_ARCH=sm120: forward, backward (the sub-chunk sweep and
+#            gradient kernel; no fused kernel: its tests skip), drop-in, decode and state
+#            pool GPU tests, three groups side by side (SM120_GROUPS overrides)
+#   sm90     the same groups on SM90's own kernels (SM90_GROUPS overrides), beside sm120
+#            when both are asked for: the regression check of a shared-source change
 #   bench    bench_gated_delta_rule.py (BENCH_ROWS, default --quick) for SM90 beside FLA
-#            0.6.0 (BENCH_PEERS), proof(SM100) fwd + bwd and proof(SM120) fwd: one table
-#            of eager ms (same GPU, same lease)
+#            0.6.0 (BENCH_PEERS), proof(SM100) and proof(SM120) (BENCH_ARCHES, default
+#            "sm90 sm100 sm120"), forward and training step: one table of eager ms (same
+#            GPU, same lease)
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (carry it next time)
 # Results: $OUT/results.tar.xz (logs, bench JSON); the short tables are printed last.
 # Usage on the H200, repository root, carry [".offline-gpu"]:
@@ -54,21 +58,36 @@ if has sm100; then
   for f in "$R"/sm100-tests-*.txt; do STATUS[sm100]+=" [$(tail -1 "$f")]"; done
   echo "sm100 proof tests: ${STATUS[sm100]}"
 fi
-if has sm120; then
+# SM120's (and, with sm90, SM90's own) groups side by side on the one GPU
+SM120_GROUPS=${SM120_GROUPS:-"$T/test_forward_gpu.py tests/core/test_recurrent.py tests/core/test_state_pool.py;$T/test_backward_gpu.py $T/test_bwd_fused_gpu.py;$T/test_drop_in_gpu.py $T/test_compile_api_gpu.py"}
+SM90_GROUPS=${SM90_GROUPS:-"$T/test_backward_gpu.py $T/test_drop_in_gpu.py"}
+if has sm120 || has sm90; then
   start=$SECONDS
-  FLASH_QLA_PROOF_ARCH=sm120 timeout "$(cap 330)" python3 -m pytest -q -p no:cacheprovider \
-    -rfEs -m gpu ${SM120_TESTS:-$T/test_forward_gpu.py tests/core/test_recurrent.py tests/core/test_state_pool.py} \
-    > "$R/sm120-tests.txt" 2>&1
-  STATUS[sm120]="$((SECONDS - start)) s: $(tail -1 "$R/sm120-tests.txt")"
-  echo "sm120 proof tests (forward, decode): ${STATUS[sm120]}"
+  for arch in sm120 sm90; do
+    has $arch || continue
+    proof=""; [[ $arch == sm120 ]] && proof=sm120
+    var=${arch^^}_GROUPS; IFS=';' read -ra groups <<< "${!var}"
+    i=0
+    for g in "${groups[@]}"; do
+      FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap 450)" python3 -m pytest -q -p no:cacheprovider \
+        -rfEs --durations=3 -m gpu $g > "$R/$arch-tests-$i.txt" 2>&1 &
+      i=$((i + 1))
+    done
+  done
+  wait
+  for arch in sm120 sm90; do
+    has $arch || continue
+    STATUS[$arch]="$((SECONDS - start)) s:"
+    for f in "$R"/$arch-tests-*.txt; do STATUS[$arch]+=" [$(tail -1 "$f")]"; done
+    echo "$arch tests: ${STATUS[$arch]}"
+  done
 fi
 if has bench; then   # BENCH_ROWS: bench --shapes (default --quick); FLA beside SM90
   rows=${BENCH_ROWS:+--shapes $BENCH_ROWS}; rows=${rows:---quick}
-  for arch in sm90 sm100 sm120; do
+  for arch in ${BENCH_ARCHES:-sm90 sm100 sm120}; do
     proof=""; peers=none; mode=both
     [[ $arch == sm90 ]] && peers=${BENCH_PEERS:-fla}
     [[ $arch != sm90 ]] && proof=$arch
-    [[ $arch == sm120 ]] && mode=fwd                 # SM120 builds no backward
     FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap 200)" python3 benchmark/bench_gated_delta_rule.py \
       $rows --mode $mode --peers $peers --fla-tuning cached --out "$R/bench" --tag "H200-$arch" \
       --deadline-s "$(cap 180)" > "$R/bench-$arch.txt" 2>&1
@@ -79,8 +98,8 @@ if has cache; then
   tar cJf "$OUT/tilelang-cache.tar.xz" -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .
-for f in "$R"/sm100-tests-*.txt "$R"/sm120-tests.txt; do
-  [ -f "$f" ] && grep -E "^FAILED|^ERROR" "$f" | head -8
+for f in "$R"/sm100-tests-*.txt "$R"/sm120-tests-*.txt "$R"/sm90-tests-*.txt; do
+  [ -f "$f" ] && grep -E "^FAILED|^ERROR" "$f" | head -12
 done
 # last: the short tables
 python3 - "$R/bench" <<'PY'
@@ -100,4 +119,4 @@ if base or s100 or s120:
         print(f"{shape:<28}" + "".join(f"{c:>{w}.3f}" if c else f"{'-':>{w}}"
                                        for c, w in zip(cells, (10, 13, 13))))
 PY
-for stage in compile sm100 sm120; do [ -n "${STATUS[$stage]:-}" ] && echo "$stage: ${STATUS[$stage]}"; done
+for stage in compile sm100 sm120 sm90; do [ -n "${STATUS[$stage]:-}" ] && echo "$stage: ${STATUS[$stage]}"; done

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flash_qla
-from tests.helpers import kernel_arch, rel_l2
+from tests.helpers import chunk_start_states, kernel_arch, rel_l2
 from tests.sm90.test_forward_gpu import (
     CASES,
     POISON_CASES,
@@ -229,8 +229,9 @@ def test_dh_kernel_matches_torch_sweep(case):
     with_kernel = chunk_bwd(*args, arch=kernel_arch(), dht=dht, initial_state=h0, fused=False,
                             **common)
     h = chunk_states(*args[:6], arch=kernel_arch(), initial_state=h0, **common)
-    with_torch = chunk_gated_delta_rule_bwd_parallel(*args, h.float(), dht=dht,
-                                                     initial_state=h0, **common)
+    with_torch = chunk_gated_delta_rule_bwd_parallel(
+        *args, chunk_start_states(h, kernel_arch()).float(), dht=dht, initial_state=h0,
+        **common)
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), with_kernel, with_torch):
         if h0 is None and name == "dh0":
             assert a is None, name
@@ -252,9 +253,11 @@ def swept_problem(case, seed: int = 6) -> SimpleNamespace:
     tests: ``args`` (q, k, v, g_cumsum, beta, A, dO), ``common`` (scale, cu_seqlens), the
     chunk states ``h`` (recomputed by the forward kernel) and the sweep kernel's ``dS1``,
     both in q's dtype, its ``dh0``, ``dht``, and ``ref``: the chunk-parallel PyTorch
-    gradients given those states."""
+    gradients given those states (on an arch with sub-chunks, whose states have a row
+    per sub-chunk: given the states at the chunk starts, its own sweep's dS1)."""
     from flash_qla.chunk_parallel import chunk_gated_delta_rule_bwd_parallel
     from flash_qla_tl.backward import chunk_states, state_grads
+    from flash_qla_tl.layout import state_rows
 
     inp = make_inputs(case, seed=seed)
     g_cumsum, A, o, _, final = flash_qla.chunk_gated_delta_rule_fwd(**inp)
@@ -265,8 +268,9 @@ def swept_problem(case, seed: int = 6) -> SimpleNamespace:
     h = chunk_states(q, k, v, g_cumsum, beta, A, arch=arch, initial_state=h0, **common)
     dS1, dh0 = state_grads(q, k, do, g_cumsum, beta, A, arch=arch, dht=dht, **common)
     args = (q, k, v, g_cumsum, beta, A, do)
-    ref = chunk_gated_delta_rule_bwd_parallel(*args, h.float(), dht=dht, initial_state=h0,
-                                              dS1=dS1.float(), dh0=dh0, **common)
+    given = dict(dS1=dS1.float(), dh0=dh0) if state_rows(arch) == 1 else {}
+    ref = chunk_gated_delta_rule_bwd_parallel(*args, chunk_start_states(h, arch).float(),
+                                              dht=dht, initial_state=h0, **given, **common)
     return SimpleNamespace(args=args, common=common, h=h, dS1=dS1, dh0=dh0, dht=dht,
                            ref=ref)
 

@@ -24,6 +24,13 @@ from tests.sm90.test_forward_gpu import CASES, Case, make_inputs
 
 pytestmark = pytest.mark.sm90
 
+
+@pytest.fixture(autouse=True)
+def _fused_kernel_built():
+    """The served arch builds the fused kernel (not SM120: ``Arch.fused_backward``)."""
+    if not kernel_arch().fused_backward:
+        pytest.skip(f"{kernel_arch().name} builds no fused backward")
+
 #: GVA 2/4, strong and zero gates, varlen with an empty sequence, length-1 ones and
 #: padding, varlen GVA 4/16, one long and two short sequences without h0, T = 75 at
 #: one head (a full chunk and an 11-row tail), fp16, Hv = Hk

@@ -76,19 +76,22 @@ def test_variants_per_dtype():
                for v_first in (False, True) for beta in ("float32", dtype)])
 
 
-def test_an_arch_without_training_ships_the_inference_forward_and_decode():
-    """SM120 (``training=False``, 32-token sub-chunks): the prepare, the forward without
-    kept h (no h, fp32 h for ``output_h``, the bounded split's) x initial state, the
-    forward on a state pool, the decode steps; no training forward (h in q's dtype, the
-    states-only recompute), no backward kernel."""
+def test_sm120_ships_the_sub_chunk_backward_without_the_fused_kernel():
+    """SM120 (32-token sub-chunks, no fused backward): the prepare, the forward's seven
+    variants x initial state, the forward on a state pool, the sweep without its boundary
+    walks (which only feed the fused kernel) x dht, the sub-chunk gradient kernel, the
+    GVA sum and the decode steps."""
     from flash_qla_sm120.arch import SM120
 
     names = _names(SM120)
-    assert len(names) == len(set(names)) == 1 + 3 * 2 + 6 + 16
-    kept = {("chunk_fwd_ws_kernel", (h0, *flags)) for h0 in (False, True)
-            for flags in ((False,), (True,), (False, True))}
-    assert kept <= set(names)
-    assert not [n for n in names if n[0].startswith(("chunk_bwd", "group_sum"))]
+    assert len(names) == len(set(names)) == 1 + 7 * 2 + 6 + 2 * 2 + 1 + 1 + 16
+    assert ("chunk_bwd_intra_split_kernel", ()) in names
+    assert not [n for n in names if n[0] in ("chunk_bwd_intra_kernel",
+                                             "chunk_bwd_fused_kernel")]
+    sweeps = [n for n in names if n[0] == "chunk_bwd_dh_ws_kernel"]
+    assert sorted(sweeps) == sorted(("chunk_bwd_dh_ws_kernel", (dht, *flags))
+                                    for dht in (False, True)
+                                    for flags in precompile.SWEEP_FLAGS[:2])
 
 
 def test_flags_carry_no_trailing_false():

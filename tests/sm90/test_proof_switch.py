@@ -1,8 +1,7 @@
 """The proof switch (CPU): ``FLASH_QLA_PROOF_ARCH=sm100|sm120`` makes the sm90 loader
 build a Blackwell arch's portable kernels for sm_90a with WGMMA off, and ``python -m
-flash_qla info`` says so; an arch that builds decode only refuses the chunked prefill,
-and SM120, which builds no backward, refuses training, naming the GPU and the
-alternative."""
+flash_qla info`` says so; an arch that builds decode only refuses the chunked prefill;
+SM120 trains on per-sub-chunk states."""
 
 from __future__ import annotations
 
@@ -75,37 +74,39 @@ def test_decode_only_arch_refuses_the_chunked_prefill():
                     initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None)
 
 
-def test_inference_only_arch_refuses_training_before_its_forward(monkeypatch):
-    """SM120 builds the forward and decode, not the backward (``Arch.training=False``):
-    a call autograd would record is refused naming FLA before any kernel runs, on the
-    arch and on its proof twin alike (the twin proves what the arch ships); inference
-    calls are served (prepare + the sub-chunk forward)."""
+def test_sm120_trains_on_sub_chunk_states(monkeypatch):
+    """SM120's training step (launches stubbed, CPU): the training forward keeps h in q's
+    dtype with a row per 32-token sub-chunk (``layout.state_rows`` 2), the sweep stores dS1
+    the same way, and the gradients come from the sub-chunk kernel with the states split
+    over V (never the fused kernel, which SM120 does not build), then the GVA sums."""
     pytest.importorskip("tilelang", reason="TileLang is not installed")
-    import flash_qla
-    from flash_qla import api
-    from flash_qla_tl import backend, backward, forward
+    from flash_qla_tl import backward, forward
     from flash_qla_tl.backend import TileLangKernels
+    from flash_qla_tl.layout import state_rows
 
-    for module in (backward, backend):                    # the planner's SM count
-        monkeypatch.setattr(module, "sm_count", lambda device: 132)
+    launched = []
 
-    assert SM100.training is True and SM120.training is False
-    assert proof(SM120).training is False
-    assert TileLangKernels(SM100).training_refusal(torch.device("cpu")) is None
-    assert TileLangKernels(replace(SM120, chunked=False)).training_refusal(
-        torch.device("cpu")) is None                                     # no forward
+    def launcher(builder, arch, *static):
+        assert arch is SM120
+        return lambda *args: launched.append((builder.__name__, args))
+
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "launcher", launcher)
+    B, T, Hk, Hv, D = 2, 200, 1, 2, 128                       # 4 chunks per sequence
+    q = torch.randn(B, T, Hk, D, dtype=torch.bfloat16)
+    v = torch.randn(B, T, Hv, D, dtype=torch.bfloat16)
+    g, beta = -torch.rand(B, T, Hv), torch.rand(B, T, Hv)
     kernels = TileLangKernels(SM120)
-    monkeypatch.setattr(api, "_select_kernels", lambda q, v, backend, *o: (None, kernels))
-    ran = []
-    monkeypatch.setattr(forward, "launcher", lambda *a: (lambda *args: ran.append(a[0])))
-    q = torch.randn(1, 128, 1, 128, dtype=torch.bfloat16)
-    g, beta = -torch.rand(1, 128, 1), torch.rand(1, 128, 1, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="inference only.*FLA_FLASH_QLA=0"):
-        flash_qla.chunk_gated_delta_rule(q.requires_grad_(), q, q, g, beta)
-    assert ran == []
-    with torch.no_grad():
-        o, _ = flash_qla.chunk_gated_delta_rule(q, q, q, g, beta)
-    assert o.shape == (1, 128, 1, 128) and len(ran) == 2          # prepare + forward
-    with pytest.raises(NotImplementedError, match="inference only"):
-        kernels.bwd(q, q, q, g, beta.float(), q, q, dht=None, scale=1.0,
-                    initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None)
+    common = dict(scale=D ** -0.5, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None)
+    g_cumsum, A, o, h, _ = kernels.fwd(q, q, v, g, beta, output_final_state=False,
+                                       output_h=False, keep_states=True, **common)
+    assert state_rows(SM120) == 2
+    assert h.shape == (2 * B * 4, Hv, D, D) and h.dtype == torch.bfloat16
+    kernels.bwd(q, q, v, g_cumsum, beta, A, torch.randn_like(o), dht=None, states=h, **common)
+    names = [name for name, _ in launched]
+    assert names == ["chunk_prepare_blocked_kernel", "chunk_fwd_ws_kernel",
+                     "chunk_bwd_dh_ws_kernel", "chunk_bwd_intra_split_kernel",
+                     "group_sum_kernel", "group_sum_kernel"], names
+    dS1 = launched[2][1][10]
+    assert dS1.shape == h.shape and dS1.dtype == torch.bfloat16
+    assert launched[3][1][7] is h or launched[3][1][7].data_ptr() == h.data_ptr()

@@ -55,7 +55,6 @@ from flash_qla.backend import (
     Kernels,
     keeps_states,
     searches_walks,
-    training_refusal,
 )
 from flash_qla.segments import (
     CHUNK,
@@ -648,9 +647,6 @@ def chunk_gated_delta_rule(
             cu_seqlens_cpu, segment_len, segment_len is None and auto_cp is not False,
             shortcut_bound, backend)
     elif _needs_grad(q, k, v, g, beta, initial_state):
-        refusal = training_refusal(kernels, q.device)
-        if refusal is not None:                   # before the forward runs
-            raise NotImplementedError(refusal)
         o, final_state = _ChunkGatedDeltaRule.apply(*args, save_chunk_states)
     else:
         o, final_state = _inference(*args)

@@ -79,10 +79,6 @@ class Kernels(Protocol):
     # caller's layout (``v_first``: ``[N, Hv, V, K]``) and a new fp32 final state in that
     # layout. beta arrives as the caller gave it (fp32 or q's dtype). Without it, the core
     # runs the reference recurrence.
-    # Optional: ``training_refusal(device) -> str | None``: why this backend's backward
-    # must not run (a message naming the alternative), or None. The core refuses a call
-    # that autograd would record with ``NotImplementedError(message)`` before its forward
-    # runs (inference calls are served).
     # Optional: ``beta_dtype``, a torch dtype: the dtype the kernels read beta in; the
     # autograd Function converts beta to it once per training step (the forward and the
     # backward then receive it) instead of each pass converting its own copy. Only for
@@ -133,13 +129,6 @@ def searches_walks(kernels) -> bool:
     """Whether ``kernels.fwd_warmup`` searches the bounded split's walks in its kernel
     (``Kernels.searches_walks``, optional): a split planned on the device will do."""
     return getattr(kernels, "searches_walks", False) is True
-
-
-def training_refusal(kernels, device) -> str | None:
-    """Why ``kernels`` cannot run a backward on ``device`` (``Kernels.training_refusal``,
-    optional), or None."""
-    refuse = getattr(kernels, "training_refusal", None)
-    return None if refuse is None else refuse(device)
 
 
 def keeps_states(kernels) -> bool:

@@ -56,7 +56,7 @@ BACKEND = BackendSpec(
     head_dims=((128, 128),),
     dtypes=("bfloat16", "float16"),
     loader=_load,
-    notes="TileLang 0.1.15 kernels (sm_120a / sm_121a): forward and decode, proven on "
-          "Hopper by their sm_90a twins, not yet run on Blackwell; no backward yet "
-          "(training: use FLA)",
+    notes="TileLang 0.1.15 kernels (sm_120a / sm_121a): forward, backward (32-token "
+          "sub-chunks) and decode, proven on Hopper by their sm_90a twins, not yet run "
+          "on Blackwell",
 )

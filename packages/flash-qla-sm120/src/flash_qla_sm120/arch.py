@@ -11,13 +11,14 @@ from dataclasses import replace
 
 from flash_qla_tl.arch import SMEM_SM120, Arch
 
-#: CC 12.0 (sm_120a): 101,376 B of shared memory per block. The forward runs on 32-token
-#: sub-chunks of the API's 64-token chunks (a sub-chunk's inverse is the diagonal block
-#: of its chunk's A, its gates rebased: docs/blackwell-plan.md, 0.5): three slots take
-#: 88,064 B (SM90's 64-token tiles would take ~197 KB). The backward's gradient kernels
-#: hold S0 and dS1 (32 KB each) beside their tiles at any tile size and are not built
-#: (``training=False``: training calls are refused, naming FLA); nor the training
-#: forward's kept-h variants. mma.sync, column sums by transposed products and scalar
+#: CC 12.0 (sm_120a): 101,376 B of shared memory per block. The forward and the reverse
+#: sweep run on 32-token sub-chunks of the API's 64-token chunks (a sub-chunk's inverse
+#: is the diagonal block of its chunk's A, its gates rebased: docs/blackwell-plan.md,
+#: 0.5): three slots take 88,064 B (SM90's 64-token tiles would take ~197 KB). The
+#: backward's states (h, dS1) have a row per sub-chunk (``flash_qla_tl.layout.state_rows``
+#: 2), and its gradient kernel works per sub-chunk with S0 and dS1 split over V
+#: (``chunk_input_grads_split``: ~80 KB); no fused backward (its single CTA holds the
+#: state pair and every tile). mma.sync, column sums by transposed products and scalar
 #: reductions as SM100's, the prepare's launch bound at 3 CTAs per SM (6 x 25 KB would
 #: not fit 100 KB), no setmaxnreg budgets fitted.
 SM120 = Arch(
@@ -28,7 +29,6 @@ SM120 = Arch(
     sub_chunk=32,
     slots=3,
     prepare_min_ctas=3,
-    training=False,
     fused_backward=False,
     column_sums="transposed",
     pass_configs=(("tl.enable_fp32x2_reduction", False),),

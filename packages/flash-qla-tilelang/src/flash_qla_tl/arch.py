@@ -41,10 +41,6 @@ class Arch:
     - ``prepare_min_ctas``: the prepare kernel's launch bound (CTAs per SM);
     - ``chunked``: whether the chunked prefill's kernels (prepare, forward, backward)
       are built for this arch; False: only the decode step (they do not fit yet);
-    - ``training``: whether the backward's kernels are built and served (False: the
-      forward and decode only; calls that autograd would record are refused, naming
-      FLA, and the training forward's variants are not shipped); the proof twin keeps
-      it (it proves what the arch ships);
     - ``fused_backward``: whether the fused reverse kernel may be chosen;
     - ``column_sums``: how the gradient kernels sum a [C, C] fragment over rows:
       "reduce" (``T.reduce_sum(dim=0)``, WGMMA fragments) or "transposed" (row sums of
@@ -62,7 +58,6 @@ class Arch:
     reg_budgets: tuple[tuple[str, tuple[int, ...]], ...] = ()
     prepare_min_ctas: int = 6
     chunked: bool = True
-    training: bool = True
     fused_backward: bool = True
     column_sums: str = "reduce"
     pass_configs: tuple[tuple[str, object], ...] = ()

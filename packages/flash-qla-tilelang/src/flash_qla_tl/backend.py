@@ -38,23 +38,6 @@ class TileLangKernels:
             f"fla.ops.gated_delta_rule.chunk_gated_delta_rule) on this GPU, or "
             f"FLASH_QLA_BACKEND=torch (slow)")
 
-    def training_refusal(self, device) -> str | None:
-        """Why the backward is not served on :attr:`arch` (``flash_qla.backend.Kernels``,
-        optional), or None."""
-        if self.arch.training or not self.arch.chunked:   # (no forward: _chunked says so)
-            return None
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-        return (f"FlashQLA's {self.arch.name} kernels serve inference only (forward and "
-                f"decode) on {gpu} so far: their backward kernels are not built for it "
-                f"yet (docs/blackwell-plan.md). Train with FLA "
-                f"(fla.ops.gated_delta_rule.chunk_gated_delta_rule with FLA_FLASH_QLA=0), "
-                f"or FLASH_QLA_BACKEND=torch (slow)")
-
-    def _training(self, q: torch.Tensor) -> None:
-        refusal = self.training_refusal(q.device)
-        if refusal is not None:
-            raise NotImplementedError(refusal)
-
     #: every kernel reads beta in fp32 (``flash_qla.backend.Kernels``, optional)
     beta_dtype = torch.float32
     #: the training forward keeps h for the backward, in q's dtype, where
@@ -102,7 +85,6 @@ class TileLangKernels:
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
             cu_seqlens_cpu, states=None):
         self._chunked(q)
-        self._training(q)
         return backward.chunk_bwd(q, k, v, g_cumsum, beta, A, do, arch=self.arch, dht=dht,
                                   scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                   cu_seqlens_cpu=cu_seqlens_cpu, states=states)
@@ -110,7 +92,6 @@ class TileLangKernels:
     def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
                    cu_seqlens, cu_seqlens_cpu, starts, ends, states=None):
         self._chunked(q)
-        self._training(q)
         return backward.chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, arch=self.arch,
                                          dht=dht, scale=scale, initial_state=initial_state,
                                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

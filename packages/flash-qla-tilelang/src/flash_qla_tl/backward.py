@@ -32,6 +32,7 @@ from .kernels import (
     chunk_bwd_dh_ws_kernel,
     chunk_bwd_fused_kernel,
     chunk_bwd_intra_kernel,
+    chunk_bwd_intra_split_kernel,
     group_sum_kernel,
 )
 from .launch import launcher
@@ -41,6 +42,7 @@ from .layout import (
     layout_for,
     packed,
     sm_count,
+    state_rows,
     static_flags,
     total_chunks,
     walk_args,
@@ -114,7 +116,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqle
     if boundary and not warmup:
         raise ValueError("boundary: only the bounded split's sweep (ends) walks the "
                          "segments' warm-up chunks alone")
-    NT = 0 if boundary else total_chunks(layout, cu_seqlens_cpu)
+    NT = 0 if boundary else total_chunks(layout, cu_seqlens_cpu) * state_rows(arch)
     # at least one row: dS1 leaves by TMA (every descriptor dimension >= 1; a varlen
     # batch of empty sequences has no chunk); the extra row is never written
     # the boundary sweep stores no dS1: its variant takes an fp32 placeholder
@@ -183,8 +185,9 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, arch: Arch, scale, cu
 
     Args (``Kernels.bwd`` shapes): q, k ``[B, T, Hk, K]``; v, do ``[B, T, Hv, V]``;
     g_cumsum, beta ``[B, T, Hv]``; A ``[B, T, Hv, C]``; h (chunk-start states) and dS1
-    (state gradient at each chunk's end) ``[NT, Hv, K, V]`` in chunk order, in q's dtype
-    (other dtypes are converted); cu_seqlens / cu_seqlens_cpu ``[N + 1]`` or None
+    (state gradient at each chunk's end) ``[NT * state_rows(arch), Hv, K, V]`` in chunk
+    order (a row per sub-chunk on an arch with sub-chunks: ``chunk_bwd_intra_split``), in
+    q's dtype (other dtypes are converted); cu_seqlens / cu_seqlens_cpu ``[N + 1]`` or None
     (dense); ``packed``: the same inputs already packed (:class:`Packed`; q, k, v, do, A
     in q's dtype).
 
@@ -200,8 +203,10 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, arch: Arch, scale, cu
                        cu_seqlens)
     NT = h.numel() // (Hv * K * V)
     dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
+    # per 64-token chunk, or per sub-chunk with the states split over V (SM120)
+    builder = chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
     if NT > 0:
-        launcher(chunk_bwd_intra_kernel, arch, DTYPE_NAMES[dt], K, V)(
+        launcher(builder, arch, DTYPE_NAMES[dt], K, V)(
             p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
             h.reshape(NT, Hv, K, V).to(dt).contiguous(),
             dS1.reshape(NT, Hv, K, V).to(dt).contiguous(),

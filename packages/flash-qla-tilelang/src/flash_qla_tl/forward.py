@@ -21,6 +21,7 @@ from .layout import (
     no_h,
     output_alloc,
     packed,
+    state_rows,
     static_flags,
     total_chunks,
     walk_args,
@@ -35,7 +36,8 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
 
     q, k ``[Tt, Hk, K]``; v ``[Tt, Hv, V]``; g_cumsum, beta ``[Tt, Hv]`` fp32;
     A ``[Tt, Hv, C]``. ``num_chunks`` given: also return the chunk-start states h
-    ``[NT, Hv, K, V]``, fp32 or (``h_in_dtype``) in q's dtype. ``walks``: the bounded
+    ``[NT, Hv, K, V]`` fp32, or (``h_in_dtype``, the backward's states) in q's dtype
+    ``[NT * state_rows(arch), Hv, K, V]``, one row per sub-chunk. ``walks``: the bounded
     split's walk rule (``flash_qla.segments.WalkStarts``), which the kernel searches
     itself (the sequences of ``layout`` are the segments). ``states_only`` (the
     backward's recompute of h): o is neither computed nor written (left as allocated).
@@ -48,10 +50,11 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
     has_h0 = initial_state is not None
     h0 = initial_state.contiguous() if has_h0 else final_state   # unread when not has_h0
     store_h = num_chunks is not None
+    rows = num_chunks * state_rows(arch) if store_h and h_in_dtype else num_chunks
     # at least one row: h in q's dtype leaves by TMA, whose descriptor needs every
     # dimension >= 1 (a varlen batch of empty sequences has no chunk); the extra row is
-    # never written, the caller gets the first num_chunks
-    h = (final_state.new_empty(max(num_chunks, 1), Hv, K, V,
+    # never written, the caller gets the first ``rows``
+    h = (final_state.new_empty(max(rows, 1), Hv, K, V,
                                dtype=q.dtype if h_in_dtype else torch.float32)
          if store_h else no_h(q.device, Hv, K, V))
     kernel = launcher(chunk_fwd_ws_kernel, arch, DTYPE_NAMES[q.dtype], K, V, has_h0, store_h,
@@ -59,7 +62,7 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
                                     states_only and store_h))
     kernel(q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
            h0, float(scale), o, final_state, h, *walk_args(walks, q.device))
-    return o, final_state, (h[:num_chunks] if store_h else None)
+    return o, final_state, (h[:rows] if store_h else None)
 
 
 def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, arch: Arch,

@@ -144,6 +144,14 @@ def output_alloc(cu_seqlens, cu_seqlens_cpu, num_tokens: int):
     return torch.zeros if padded else torch.empty
 
 
+def state_rows(arch) -> int:
+    """Rows per 64-token chunk of the backward's state tensors on ``arch`` (h in q's
+    dtype, kept by the training forward or recomputed, and dS1): one per sub-chunk
+    (``Arch.sub_chunk``), the unit of its gradient kernel; fp32 h for a caller
+    (``output_h``) stays one per chunk."""
+    return CHUNK // arch.sub_chunk
+
+
 def chunks_known(layout: ChunkLayout, cu_seqlens_cpu) -> bool:
     """Whether :func:`total_chunks` answers without a host sync (dense, or host offsets)."""
     return layout.num_chunks is not None or cu_seqlens_cpu is not None

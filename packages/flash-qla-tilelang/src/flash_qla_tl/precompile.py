@@ -25,12 +25,14 @@ from .kernels import (
     chunk_bwd_dh_ws_kernel,
     chunk_bwd_fused_kernel,
     chunk_bwd_intra_kernel,
+    chunk_bwd_intra_split_kernel,
     chunk_fwd_ws_kernel,
     chunk_prepare_blocked_kernel,
     group_sum_kernel,
     recurrent_step_kernel,
 )
 from .kernels.traits import DTYPES, HEAD_DIMS
+from .layout import state_rows
 from .recurrent import step_args
 
 
@@ -107,25 +109,24 @@ def _decode_variants(arch: Arch, dtype: str, K: int, V: int):
 
 
 def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
-    """:func:`variants`' kernels of the chunked prefill for one dtype and head dims (where
-    not ``arch.training``: the prepare and the inference forward's variants only)."""
+    """:func:`variants`' kernels of the chunked prefill for one dtype and head dims: the
+    per-chunk gradient kernel per ``state_rows(arch)`` (the sub-chunk one where the states
+    have a row per sub-chunk), the fused kernel and the boundary sweep that feeds it where
+    ``arch.fused_backward``."""
     yield chunk_prepare_blocked_kernel, (arch, dtype, K)
     for has_h0 in (False, True):
         for store_h, *flags in FWD_FLAGS:
-            h_in_dtype = flags[1:2] == [True]        # h kept for the backward (training)
-            if arch.training or not h_in_dtype:
-                yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)
+            yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)
     for pool_dtype in POOL_DTYPES:                       # prefill on a state pool
         for v_first in (False, True):
             yield chunk_fwd_ws_kernel, (arch, dtype, K, V, True, False, False, False, False,
                                         pool_dtype, v_first)
-    if not arch.training:
-        return
     for has_dht in (False, True):
         for flags in SWEEP_FLAGS:
             if arch.fused_backward or not flags[2:]:
                 yield chunk_bwd_dh_ws_kernel, (arch, dtype, K, V, has_dht, *flags)
-    yield chunk_bwd_intra_kernel, (arch, dtype, K, V)
+    intra = chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
+    yield intra, (arch, dtype, K, V)
     yield group_sum_kernel, (arch, dtype, K)
     if arch.fused_backward:
         for has_dht in (False, True):

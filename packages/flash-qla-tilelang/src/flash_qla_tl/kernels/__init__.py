@@ -14,6 +14,9 @@ kernel index (``flash_qla_tl.kernel_index``) never imports TileLang's front end.
   chunk's end and dh0 (``chunk_bwd_dh_ws_kernel``);
 - ``chunk_input_grads``: dq, dk, dv, dbeta, dg of every chunk in parallel, given h and
   dS1 (``chunk_bwd_intra_kernel``);
+- ``chunk_input_grads_split``: the same on sub-chunks with the state pair split over V,
+  for an arch whose shared memory does not hold both states beside a chunk's tiles
+  (``chunk_bwd_intra_split_kernel``: SM120);
 - ``chunk_grads_fused``: the reverse sweep and every input gradient in one CTA per
   (sequence, value head) (``chunk_bwd_fused_kernel``), the alternative to the two
   kernels above;
@@ -76,6 +79,7 @@ chunk_prepare_blocked_kernel = Builder("chunk_cumsum_inverse", "chunk_prepare_bl
 chunk_fwd_ws_kernel = Builder("chunk_state_output", "chunk_fwd_ws_kernel")
 chunk_bwd_dh_ws_kernel = Builder("chunk_state_grad", "chunk_bwd_dh_ws_kernel")
 chunk_bwd_intra_kernel = Builder("chunk_input_grads", "chunk_bwd_intra_kernel")
+chunk_bwd_intra_split_kernel = Builder("chunk_input_grads_split", "chunk_bwd_intra_split_kernel")
 chunk_bwd_fused_kernel = Builder("chunk_grads_fused", "chunk_bwd_fused_kernel")
 group_sum_kernel = Builder("group_sum", "group_sum_kernel")
 recurrent_step_kernel = Builder("recurrent_step", "recurrent_step_kernel")

@@ -25,6 +25,12 @@ fixed by ``T.ws`` and meeting only on per-slot mbarriers (the structure of
 
 The first chunk's dS0 is dh0. Every other gradient is per chunk given S0 (from the
 forward kernel) and dS1 (from here): ``chunk_input_grads`` computes them chunk-parallel.
+
+Sub-chunks (``arch.sub_chunk`` < 64: SM120) as in ``chunk_state_output``: the walk steps
+over 32-token tiles (A's diagonal blocks, gates rebased, the split's walks on chunk
+totals), and dS1 has a row per sub-chunk (``flash_qla_tl.layout.state_rows``), stored
+from the registers, for ``chunk_input_grads_split``.
+
 Slots and barriers as ``chunk_state_output`` (``arch.slots``, ``AUX_BARRIER``); TileLang's
 automatic synchronisation is off: every barrier is written out. ~2.7 us per chunk step
 on the H200 (docs/perf-notes.md).
@@ -41,6 +47,7 @@ from .tile_ops import (
     fetch_gates,
     mma,
     mma_wait,
+    rebase_gates,
     search_walk_end,
     store_staged,
     store_transposed,
@@ -84,8 +91,10 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
     the warm-up chunks after its segment and stores no dS1; ``dh0[n]`` is then the state
     gradient at segment n's end (where ``chunk_grads_fused``'s walk of the segment
     starts)."""
-    C = CHUNK
-    assert K == V == 2 * C
+    C = CHUNK                        # A's width, the split's walks: 64-token chunks
+    SC = arch.sub_chunk              # the token tile of the walk (C, or C / 2 on SM120)
+    SUBS = C // SC
+    assert K == V == 2 * C and SC * SUBS == C
     assert warmup or not boundary
     SLOTS = arch.slots
     assert SLOTS >= 2
@@ -97,21 +106,32 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
     Tt, Hk, Hv, N, N0, N1, NT, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW")
     f32 = "float32"
     ds1_dtype = dtype if ds1_in_dtype else f32
-    #: dS1 in dtype leaves by TMA from a shared [K, V] tile (``tile_ops.store_staged``)
-    stage = ds1_in_dtype
+    #: dS1 in dtype leaves by TMA from a shared [K, V] tile (``tile_ops.store_staged``);
+    #: on sub-chunks (a row per sub-chunk, the 32 KB tile beside SM120's slots would not
+    #: fit) it is stored from the registers
+    stage = ds1_in_dtype and SUBS == 1
+
+    def ds1_row(first_chunk, c):
+        """dS1's row of the sequence's (sub-)chunk c (an expression, not a binding)."""
+        return first_chunk * SUBS + c if SUBS > 1 else first_chunk + c
 
     @T.macro
-    def load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s, t0, hk, h, r):
-        """TMA the 64-row tiles of the walk's r-th chunk (first token ``t0``) into slot
-        r % SLOTS once the state warpgroups have released it; one elected aux thread
-        issues them, every aux thread arrives on ``loaded[s]`` (128 arrivals plus the
-        tiles' bytes)."""
+    def load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s, t0, hk, h, r, c):
+        """TMA the SC-row tiles of the walk's r-th (sub-)chunk, number c of the sequence
+        (first token ``t0``), into slot r % SLOTS once the state warpgroups have released
+        it; one elected aux thread issues them, every aux thread arrives on ``loaded[s]``
+        (128 arrivals plus the tiles' bytes). A sub-chunk's inverse is the diagonal
+        block of its chunk's A."""
         s = r % SLOTS
         T.barrier_wait(empty[s], (r // SLOTS) % 2 ^ 1)
-        T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=loaded[s])
-        T.tma_copy(k[t0:t0 + C, hk, :], k_s[s, :, :], barrier=loaded[s])
-        T.tma_copy(do[t0:t0 + C, h, :], do_s[s, :, :], barrier=loaded[s])
-        T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(q[t0:t0 + SC, hk, :], q_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(k[t0:t0 + SC, hk, :], k_s[s, :, :], barrier=loaded[s])
+        T.tma_copy(do[t0:t0 + SC, h, :], do_s[s, :, :], barrier=loaded[s])
+        if SUBS == 1:
+            T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
+        else:
+            col = (c % SUBS) * SC
+            T.tma_copy(A[t0:t0 + SC, h, col:col + SC], ag_s[s, :, :], barrier=loaded[s])
         T.barrier_arrive(loaded[s])
 
     @T.prim_func
@@ -134,29 +154,29 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
     ):
         with T.Kernel(N * Hv, threads=384) as bx:
             # SLOTS slots of everything the aux warpgroup prepares for one chunk
-            q_s = T.alloc_shared((SLOTS, C, K), dtype)        # Q, then Qe in place
-            k_s = T.alloc_shared((SLOTS, C, K), dtype)
-            do_s = T.alloc_shared((SLOTS, C, V), dtype)
-            ag_s = T.alloc_shared((SLOTS, C, C), dtype)       # A as loaded, then Ag
-            p_s = T.alloc_shared((SLOTS, C, C), dtype)        # Ps = scale P
-            eg_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam)
-            ed_s = T.alloc_shared((SLOTS, C), f32)            # exp(gam_C - gam)
+            q_s = T.alloc_shared((SLOTS, SC, K), dtype)       # Q, then Qe in place
+            k_s = T.alloc_shared((SLOTS, SC, K), dtype)
+            do_s = T.alloc_shared((SLOTS, SC, V), dtype)
+            ag_s = T.alloc_shared((SLOTS, SC, SC), dtype)     # A as loaded, then Ag
+            p_s = T.alloc_shared((SLOTS, SC, SC), dtype)      # Ps = scale P
+            eg_s = T.alloc_shared((SLOTS, SC), f32)           # exp(gam)
+            ed_s = T.alloc_shared((SLOTS, SC), f32)           # exp(gam_C - gam)
             # aux-only
-            gam_s = T.alloc_shared((C,), f32)                 # log2-scaled gam
-            beta_s = T.alloc_shared((C,), f32)
+            gam_s = T.alloc_shared((SC,), f32)                # log2-scaled gam
+            beta_s = T.alloc_shared((SC,), f32)
             if stage:                                         # state-only
                 ds1_s = T.alloc_shared((K, V), dtype)         # dS1 of the chunk, for TMA
-            qk = T.alloc_fragment((C, C), f32)               # Q K^T, then Ps
-            gb = T.alloc_fragment((C, C), f32)               # G diag(beta), masked
-            gam_next = T.alloc_fragment((C,), f32)            # gates of the next chunk
-            gam_last_next = T.alloc_fragment((C,), f32)
-            beta_next = T.alloc_fragment((C,), f32)
+            qk = T.alloc_fragment((SC, SC), f32)             # Q K^T, then Ps
+            gb = T.alloc_fragment((SC, SC), f32)             # G diag(beta), masked
+            gam_next = T.alloc_fragment((SC,), f32)           # gates of the next chunk
+            gam_last_next = T.alloc_fragment((SC,), f32)
+            beta_next = T.alloc_fragment((SC,), f32)
             # state-only (dS^T [V, K] and the chunk's [V, C] tiles)
             dst = T.alloc_fragment((V, K), f32)
             dst_b = T.alloc_fragment((V, K), dtype)
-            du = T.alloc_fragment((V, C), f32)                # (K dS1)^T, then dX^T
-            dup = T.alloc_fragment((V, C), f32)               # dO^T Ps
-            du_b = T.alloc_fragment((V, C), dtype)            # dU^T, then -(E dX)^T
+            du = T.alloc_fragment((V, SC), f32)               # (K dS1)^T, then dX^T
+            dup = T.alloc_fragment((V, SC), f32)              # dO^T Ps
+            du_b = T.alloc_fragment((V, SC), dtype)           # dU^T, then -(E dX)^T
 
             n = T.alloc_var("int32", init=bx // Hv)
             h = T.alloc_var("int32", init=bx % Hv)
@@ -172,7 +192,7 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
                     bos = out_eos
             last = T.alloc_var("int32", init=bos + seq_len - 1)
             first_chunk = T.alloc_var("int32", init=chunk_offsets[n])   # row of dS1
-            chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, C))
+            chunks = T.alloc_var("int32", init=T.ceildiv(seq_len, SC))   # (sub-)chunks
 
             # slot of the walk's r-th chunk: aux -> state "full" (128 arrivals),
             # state -> aux "empty" (256)
@@ -189,49 +209,57 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
                     T.dec_max_nreg(AUX_REGS)
                 if chunks > 0:
                     load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s,
-                               bos + (chunks - 1) * C, hk, h, 0)
-                    fetch_gates(g_cumsum, beta, h, bos + (chunks - 1) * C, last, gam_next,
+                               bos + (chunks - 1) * SC, hk, h, 0, chunks - 1)
+                    fetch_gates(g_cumsum, beta, h, bos + (chunks - 1) * SC, last, gam_next,
                                 gam_last_next, beta_next)
+                    if SUBS > 1:     # a second half: its gam from its own start (rebased)
+                        if (chunks - 1) % SUBS != 0:
+                            rebase_gates(g_cumsum, h, bos + (chunks - 1) * SC, last,
+                                         gam_next, gam_last_next)
                 for r in T.serial(chunks):
                     c = chunks - 1 - r                        # walk the chunks backwards
-                    a0 = bos + c * C
-                    a_rows = T.min(seq_len - c * C, C)
+                    a0 = bos + c * SC
+                    a_rows = T.min(seq_len - c * SC, SC)
                     sa = r % SLOTS
                     # the previous chunk's copies fly while this one is prepared
                     if r + 1 < chunks:
-                        load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s, a0 - C,
-                                   hk, h, r + 1)
+                        load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s, a0 - SC,
+                                   hk, h, r + 1, c - 1)
                     T.barrier_wait(loaded[sa], (r // SLOTS) % 2)  # this chunk's tiles landed
                     # rows past the end (next sequence, padding: maybe NaN) zeroed
-                    if a_rows < C:
-                        for i, j in T.Parallel(C, K):
+                    if a_rows < SC:
+                        for i, j in T.Parallel(SC, K):
                             if i >= a_rows:
                                 q_s[sa, i, j] = T.cast(0, dtype)
                                 k_s[sa, i, j] = T.cast(0, dtype)
                                 do_s[sa, i, j] = T.cast(0, dtype)
-                    for i in T.Parallel(C):
+                    for i in T.Parallel(SC):
                         gam_s[i] = gam_next[i] * LOG2E
                         beta_s[i] = beta_next[i]
                         eg_s[sa, i] = T.exp2(gam_next[i] * LOG2E)
                         ed_s[sa, i] = T.exp2((gam_last_next[i] - gam_next[i]) * LOG2E)
                     if c > 0:                                 # the previous chunk's gates
-                        fetch_gates(g_cumsum, beta, h, a0 - C, last, gam_next,
+                        fetch_gates(g_cumsum, beta, h, a0 - SC, last, gam_next,
                                     gam_last_next, beta_next)
+                        if SUBS > 1:
+                            if (c - 1) % SUBS != 0:
+                                rebase_gates(g_cumsum, h, a0 - SC, last, gam_next,
+                                             gam_last_next)
                     T.fence_proxy_async()
                     T.sync_threads(AUX_BARRIER, 128)
                     T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,
                            clear_accum=True)                                      # Q K^T
-                    for i, j in T.Parallel(C, C):
+                    for i, j in T.Parallel(SC, SC):
                         live = (i >= j) & (i < a_rows)
                         e = T.exp2(T.min(gam_s[i] - gam_s[j], 0.0))
                         decay = T.if_then_else(live, e, 0.0)
                         qk[i, j] = qk[i, j] * decay * scale                       # Ps
                         gb[i, j] = decay * beta_s[j]
-                    for i, j in T.Parallel(C, C):
+                    for i, j in T.Parallel(SC, SC):
                         p_s[sa, i, j] = qk[i, j]
                         ag_s[sa, i, j] = T.if_then_else(
                             i < a_rows, ag_s[sa, i, j] * gb[i, j], 0.0)           # Ag
-                    for i, j in T.Parallel(C, K):                  # Q read by Q K^T: Qe
+                    for i, j in T.Parallel(SC, K):                 # Q read by Q K^T: Qe
                         q_s[sa, i, j] = q_s[sa, i, j] * (eg_s[sa, i] * scale)
                     T.fence_proxy_async()            # generic stores -> WGMMA operand reads
                     T.barrier_arrive(full[sa])
@@ -256,14 +284,14 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
                     c = chunks - 1 - r
                     ss = r % SLOTS
                     if warmup and not stage:
-                        if bos + c * C < out_eos:             # not a warm-up chunk
-                            store_transposed(dS1, dst, first_chunk + c, h)
+                        if bos + c * SC < out_eos:            # not a warm-up chunk
+                            store_transposed(dS1, dst, ds1_row(first_chunk, c), h)
                     elif not stage:
-                        store_transposed(dS1, dst, first_chunk + c, h)
+                        store_transposed(dS1, dst, ds1_row(first_chunk, c), h)
                     for i, j in T.Parallel(V, K):
                         dst_b[i, j] = dst[i, j]
                     if warmup and stage:
-                        if bos + c * C < out_eos:             # not a warm-up chunk
+                        if bos + c * SC < out_eos:            # not a warm-up chunk
                             store_staged(dS1, ds1_s, dst_b, first_chunk + c, h,
                                          STATE_BARRIER, 256)
                     elif stage:
@@ -274,16 +302,16 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
                     gemm(do_s[ss, :, :], p_s[ss, :, :], dup, transpose_A=True,
                                  clear_accum=True, policy=ROWS)                   # dO^T Ps
                     for i, j in T.Parallel(V, K):
-                        dst[i, j] = dst[i, j] * eg_s[ss, C - 1]
+                        dst[i, j] = dst[i, j] * eg_s[ss, SC - 1]
                     gemm(do_s[ss, :, :], q_s[ss, :, :], dst, transpose_A=True,
                                  policy=ROWS)                                     # + dO^T Qe
                     wait(1)
-                    for i, t in T.Parallel(V, C):
+                    for i, t in T.Parallel(V, SC):
                         du_b[i, t] = du[i, t] * ed_s[ss, t] + dup[i, t]          # dU^T
                     gemm(du_b, ag_s[ss, :, :], du, clear_accum=True,
                                  policy=ROWS)                                     # dX^T
                     wait(0)
-                    for i, t in T.Parallel(V, C):
+                    for i, t in T.Parallel(V, SC):
                         du_b[i, t] = -eg_s[ss, t] * du[i, t]                      # -(E dX)^T
                     T.gemm(du_b, k_s[ss, :, :], dst, policy=ROWS)                 # + .. K
                     T.barrier_arrive(empty[ss])

@@ -37,8 +37,11 @@ kernel: it would put CTA-wide barriers between the role blocks and serialise the
 Sub-chunks (``arch.sub_chunk`` < 64: SM120, whose 99 KB of shared memory do not hold
 three slots of 64-token tiles): the loop walks 32-token tiles; a sub-chunk's inverse is
 the diagonal block of its chunk's A, its gates are rebased to its own start
-(``tile_ops.rebase_gates``), h rows stay per 64-token chunk (stored at each chunk's first
-half), and the split's walks stay on chunk totals.
+(``tile_ops.rebase_gates``), and the split's walks stay on chunk totals. fp32 h for a
+caller (``output_h``) stays per 64-token chunk (stored at each chunk's first half); h in
+q's dtype, the backward's states, has a row per sub-chunk
+(``flash_qla_tl.layout.state_rows``), stored from the registers (no 32 KB staging tile
+beside SM120's slots).
 
 Registers: setmaxnreg gives the state warpgroups 208 and the aux one 88 (at the plain
 168, ptxas serialised every WGMMA k-step). The aux's mask pass runs in two loops, the
@@ -156,9 +159,7 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     C = CHUNK                        # A's width, h's rows, the split's walks: 64-token chunks
     SC = arch.sub_chunk              # the token tile of the loop (C, or C / 2 on SM120)
     SUBS = C // SC                   # sub-chunks per chunk
-    # sub-chunks serve inference and output_h (the training forward's variants, h in
-    # q's dtype and the states-only recompute, are built only where C is the tile)
-    assert SC * SUBS == C and (SUBS == 1 or not (states_only or h_in_dtype)), SC
+    assert SC * SUBS == C, SC
     SLOTS = arch.slots
     assert SLOTS >= 2
     budget = ws_budgets(arch, "chunk_fwd_ws")
@@ -171,8 +172,12 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     f32 = "float32"
     h_dtype = dtype if h_in_dtype else f32
     #: h in dtype leaves by TMA from a shared [K, V] tile (32 KB: fits beside the slots);
-    #: fp32 h (64 KB) is stored from the registers
-    stage_h = store_h and h_in_dtype
+    #: fp32 h (64 KB) is stored from the registers, and so is h in dtype on sub-chunks
+    #: (the 32 KB tile does not fit beside SM120's slots)
+    stage_h = store_h and h_in_dtype and SUBS == 1
+    #: the backward's states on sub-chunks: one row per sub-chunk (its gradient kernel
+    #: works per sub-chunk); fp32 h for the caller stays per 64-token chunk
+    sub_rows = store_h and h_in_dtype and SUBS > 1
     pool = pool_dtype is not None
     state_dtype = pool_dtype if pool else f32
     state_dims = (V, K) if pool_v_first else (K, V)
@@ -393,7 +398,13 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                     t0 = bos + c * SC
                     rows = T.min(seq_len - c * SC, SC)
                     ss = c % SLOTS
-                    if SUBS > 1 and store_h:          # fp32 h at each chunk's first half
+                    if sub_rows and warmup:           # h in dtype at every sub-chunk
+                        if t0 >= out_bos:
+                            store_transposed(h_out, st,
+                                             first_chunk * SUBS + (t0 - out_bos) // SC, h)
+                    elif sub_rows:
+                        store_transposed(h_out, st, first_chunk * SUBS + c, h)
+                    elif SUBS > 1 and store_h:        # fp32 h at each chunk's first half
                         if c % SUBS == 0:
                             if warmup:
                                 if t0 >= out_bos:
@@ -422,16 +433,16 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                         gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
                                      clear_accum=True, policy=ROWS)               # (Q S0)^T
                     wait(0 if states_only else 1)
-                    for i, t in T.Parallel(V, C):
+                    for i, t in T.Parallel(V, SC):
                         r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
                     gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # U^T
                     wait(0)
                     if states_only:
-                        for i, t in T.Parallel(V, C):
+                        for i, t in T.Parallel(V, SC):
                             du_b[i, t] = ks[i, t] * ed_s[ss, t]
                     else:
-                        for i, t in T.Parallel(V, C):
+                        for i, t in T.Parallel(V, SC):
                             r_b[i, t] = ks[i, t]
                             du_b[i, t] = ks[i, t] * ed_s[ss, t]
                             ot[i, t] = ot[i, t] * eg_s[ss, t]
