@@ -70,6 +70,9 @@ SPILL_BUDGET = {
     ("sm120", "recurrent_step_kernel"): 0,
     ("sm120", "chunk_prepare_blocked_kernel"): 0,
     ("sm120", "chunk_fwd_ws_kernel"): 0,            # 32-token sub-chunks, no setmaxnreg
+    ("sm120", "chunk_bwd_dh_ws_kernel"): 0,
+    ("sm120", "chunk_bwd_intra_split_kernel"): 0,
+    ("sm120", "group_sum_kernel"): 0,
 }
 
 

@@ -274,6 +274,5 @@ def report(*, verbose: bool = False, query: DeviceQuery | None = None) -> tuple[
         out.append("  On a GPU machine: SM90 (H100/H200/H20) "
                    + dispatch.install_hint((9, 0))
                    + "; SM100/SM103 and SM120/SM121 the same with sm100 / sm120 "
-                   "(portable kernels, not yet run on Blackwell; SM120: forward and decode, "
-                   "no backward).")
+                   "(portable kernels, not yet run on Blackwell).")
     return "\n".join(out), status

@@ -1,13 +1,12 @@
-"""FlashQLA backend for Blackwell RTX / workstation GPUs (SM120, SM121): inference so far.
+"""FlashQLA backend for Blackwell RTX / workstation GPUs (SM120, SM121).
 
 This module is what the ``flash_qla.backends`` entry point ``sm120`` points at; importing it
 imports neither TileLang nor the kernels. The kernels are ``flash_qla_tl``'s, built for
 ``arch.SM120`` / ``arch.SM121`` within 99 KB of shared memory per block: the chunked
-prefill's forward on 32-token sub-chunks (varlen, states, state pools, the bounded
-segment split) and the token-by-token decode step (``flash_qla.recurrent``). The
-backward's kernels do not fit yet: a call that autograd would record raises
-:class:`NotImplementedError` naming the GPU and the alternative (FLA) before any kernel
-runs (docs/blackwell-plan.md, step 6).
+prefill's forward and backward on 32-token sub-chunks (varlen, states, state pools, the
+bounded segment split; the gradient kernel takes S0 and dS1 in halves over V, and there
+is no fused backward) and the token-by-token decode step (``flash_qla.recurrent``)
+(docs/blackwell-plan.md, step 6).
 
 - ``arch``: the arches, by compute capability;
 - ``precompile``: the shipped kernel cache (``kernel_cache/``) and the command that
