@@ -1,14 +1,12 @@
 """The proof switch (CPU): ``FLASH_QLA_PROOF_ARCH=sm100|sm120`` makes the sm90 loader
 build a Blackwell arch's portable kernels for sm_90a with WGMMA off, and ``python -m
-flash_qla info`` says so; an arch that builds decode only refuses the chunked prefill;
-SM120 trains on per-sub-chunk states."""
+flash_qla info`` says so; SM120 trains on per-sub-chunk states."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -32,9 +30,9 @@ def test_the_variable_serves_the_proof_twin(monkeypatch, name, arch):
     assert (served.target, served.mma) == ("sm_90a", "mma_sync")
     assert dict(served.pass_configs)[DISABLE_WGMMA] is True
     # the kernels' traits stay the Blackwell arch's
-    assert (served.smem_limit, served.slots, served.reg_budgets, served.column_sums,
-            served.chunked) == (arch.smem_limit, arch.slots, arch.reg_budgets,
-                                arch.column_sums, arch.chunked)
+    assert (served.smem_limit, served.sub_chunk, served.slots, served.reg_budgets,
+            served.column_sums) == (arch.smem_limit, arch.sub_chunk, arch.slots,
+                                    arch.reg_budgets, arch.column_sums)
 
 
 def test_an_unknown_value_is_refused(monkeypatch):
@@ -55,23 +53,6 @@ def test_info_says_which_kernels_the_sm90_backend_serves():
                          text=True, timeout=300, env=env)
     assert "FLASH_QLA_PROOF_ARCH=sm100: serving the proof build" in \
         " ".join(out.stdout.split()), out.stdout[-3000:]
-
-
-def test_decode_only_arch_refuses_the_chunked_prefill():
-    """An arch that builds the decode step only (``Arch.chunked=False``; SM120 before
-    its sub-chunk forward, here a copy of it)."""
-    pytest.importorskip("tilelang", reason="TileLang is not installed")
-    from flash_qla_tl.backend import TileLangKernels
-
-    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
-    kernels = TileLangKernels(replace(SM120, chunked=False))
-    with pytest.raises(NotImplementedError, match="FLA .*chunk_gated_delta_rule"):
-        kernels.fwd(q, q, q, q[..., 0].float(), q[..., 0], scale=1.0, initial_state=None,
-                    cu_seqlens=None, cu_seqlens_cpu=None, output_final_state=False,
-                    output_h=False)
-    with pytest.raises(NotImplementedError, match="101,376 bytes"):
-        kernels.bwd(q, q, q, q[..., 0], q[..., 0], q, q, dht=None, scale=1.0,
-                    initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None)
 
 
 def test_sm120_trains_on_sub_chunk_states(monkeypatch):

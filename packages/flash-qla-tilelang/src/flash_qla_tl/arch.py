@@ -39,8 +39,6 @@ class Arch:
     - ``reg_budgets``: ``(kernel, (regs per role, ...))`` pairs, the setmaxnreg budgets
       of a warp-specialised kernel's roles; a kernel not listed emits no setmaxnreg;
     - ``prepare_min_ctas``: the prepare kernel's launch bound (CTAs per SM);
-    - ``chunked``: whether the chunked prefill's kernels (prepare, forward, backward)
-      are built for this arch; False: only the decode step (they do not fit yet);
     - ``fused_backward``: whether the fused reverse kernel may be chosen;
     - ``column_sums``: how the gradient kernels sum a [C, C] fragment over rows:
       "reduce" (``T.reduce_sum(dim=0)``, WGMMA fragments) or "transposed" (row sums of
@@ -57,7 +55,6 @@ class Arch:
     slots: int = 3
     reg_budgets: tuple[tuple[str, tuple[int, ...]], ...] = ()
     prepare_min_ctas: int = 6
-    chunked: bool = True
     fused_backward: bool = True
     column_sums: str = "reduce"
     pass_configs: tuple[tuple[str, object], ...] = ()

@@ -24,20 +24,6 @@ class TileLangKernels:
     def __init__(self, arch: Arch):
         self.arch = arch
 
-    def _chunked(self, q: torch.Tensor) -> None:
-        """Raise unless the chunked prefill's kernels are built for :attr:`arch`."""
-        if self.arch.chunked:
-            return
-        gpu = (torch.cuda.get_device_name(q.device) if q.device.type == "cuda"
-               else str(q.device))
-        raise NotImplementedError(
-            f"FlashQLA's {self.arch.name} kernels serve only decode (flash_qla.recurrent) "
-            f"so far: the chunked prefill's forward and backward kernels do not fit the "
-            f"{self.arch.smem_limit:,} bytes of shared memory per block of {gpu} yet. Run "
-            f"chunk_gated_delta_rule with FLA (flash-linear-attention's "
-            f"fla.ops.gated_delta_rule.chunk_gated_delta_rule) on this GPU, or "
-            f"FLASH_QLA_BACKEND=torch (slow)")
-
     #: every kernel reads beta in fp32 (``flash_qla.backend.Kernels``, optional)
     beta_dtype = torch.float32
     #: the training forward keeps h for the backward, in q's dtype, where
@@ -50,7 +36,6 @@ class TileLangKernels:
 
     def fwd(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
             output_final_state, output_h, keep_states=False):
-        self._chunked(q)
         return forward.chunk_fwd(q, k, v, g, beta, arch=self.arch, scale=scale,
                                  initial_state=initial_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu,
@@ -61,14 +46,12 @@ class TileLangKernels:
                  cu_seqlens, cu_seqlens_cpu):
         """The forward on an engine's state pool (``flash_qla.backend.Kernels``,
         optional): read and written in place by the forward kernel."""
-        self._chunked(q)
         return forward.pool_fwd(q, k, v, g, beta, arch=self.arch, scale=scale, pool=pool,
                                 state_indices=state_indices, v_first=v_first,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
     def fwd_prepared(self, q, k, v, g_cumsum, beta, A, *, scale, initial_state, cu_seqlens,
                      cu_seqlens_cpu, output_final_state, output_h):
-        self._chunked(q)
         return forward.prepared_fwd(q, k, v, g_cumsum, beta, A, arch=self.arch, scale=scale,
                                     initial_state=initial_state, cu_seqlens=cu_seqlens,
                                     cu_seqlens_cpu=cu_seqlens_cpu,
@@ -76,7 +59,6 @@ class TileLangKernels:
 
     def fwd_warmup(self, q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
                    cu_seqlens_cpu, starts, keep_states=False):
-        self._chunked(q)
         return forward.warmup_fwd(q, k, v, g, beta, arch=self.arch, scale=scale,
                                   initial_state=initial_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu,
@@ -84,14 +66,12 @@ class TileLangKernels:
 
     def bwd(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state, cu_seqlens,
             cu_seqlens_cpu, states=None):
-        self._chunked(q)
         return backward.chunk_bwd(q, k, v, g_cumsum, beta, A, do, arch=self.arch, dht=dht,
                                   scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                   cu_seqlens_cpu=cu_seqlens_cpu, states=states)
 
     def bwd_warmup(self, q, k, v, g_cumsum, beta, A, do, *, dht, scale, initial_state,
                    cu_seqlens, cu_seqlens_cpu, starts, ends, states=None):
-        self._chunked(q)
         return backward.chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, arch=self.arch,
                                          dht=dht, scale=scale, initial_state=initial_state,
                                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

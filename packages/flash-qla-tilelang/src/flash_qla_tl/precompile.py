@@ -87,13 +87,11 @@ def variants(arch: Arch):
     (:data:`POOL_DTYPES` x both layouts), the sweep's (:data:`SWEEP_FLAGS`) x dht, the
     per-chunk gradient kernel, the GVA sum, the fused reverse kernel x dht (where
     ``arch.fused_backward``; else also no boundary sweep, which only feeds it), and the
-    decode steps (:func:`_decode_variants`); only the decode steps where not
-    ``arch.chunked``.
+    decode steps (:func:`_decode_variants`).
     ``tests/sm90/test_host_path.py`` checks that the host path launches nothing else."""
     for dtype in DTYPES:
         for K, V in HEAD_DIMS:
-            if arch.chunked:
-                yield from _chunked_variants(arch, dtype, K, V)
+            yield from _chunked_variants(arch, dtype, K, V)
             yield from _decode_variants(arch, dtype, K, V)
 
 
