@@ -91,3 +91,6 @@ def test_sm120_trains_on_sub_chunk_states(monkeypatch):
     dS1 = launched[2][1][10]
     assert dS1.shape == h.shape and dS1.dtype == torch.bfloat16
     assert launched[3][1][7] is h or launched[3][1][7].data_ptr() == h.data_ptr()
+    with pytest.raises(ValueError, match="sm120 builds no fused backward"):
+        backward.chunk_bwd(q, q, v, g_cumsum, beta, A, torch.randn_like(o), arch=SM120,
+                           dht=None, states=h, fused=True, **common)

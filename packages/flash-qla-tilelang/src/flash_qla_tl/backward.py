@@ -230,9 +230,13 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu
     ``[N, Hv, K, V]`` fp32 (the state gradient at each sequence's start). Needs at least
     one token (the TMA descriptors need every dimension >= 1; the API runs a call without
     tokens on the ``torch`` backend); ``cu_seqlens_cpu`` may be None (no host sync).
-    Raises ``ValueError`` if h is not in q's dtype, K, V are not 128, or dht has fewer
-    rows than there are sequences."""
+    Raises ``ValueError`` if ``arch`` builds no fused kernel (``Arch.fused_backward``), h
+    is not in q's dtype, K, V are not 128, or dht has fewer rows than there are
+    sequences."""
     Hv, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    if not arch.fused_backward:
+        raise ValueError(f"fused_grads: {arch.name} builds no fused backward "
+                         f"(Arch.fused_backward=False); use fused=False")
     if (K, V) != (128, 128):
         raise ValueError(f"fused_grads: K, V must be (128, 128), got {(K, V)}")
     if h.dtype != q.dtype:
