@@ -15,8 +15,8 @@
 #            when both are asked for: the regression check of a shared-source change
 #   bench    bench_gated_delta_rule.py (BENCH_ROWS, default --quick) for SM90 beside FLA
 #            0.6.0 (BENCH_PEERS), proof(SM100) and proof(SM120) (BENCH_ARCHES, default
-#            "sm90 sm100 sm120"), forward and training step: one table of eager ms (same
-#            GPU, same lease)
+#            "sm90 sm100 sm120"), forward and training step, BENCH_ARGS: more options
+#            (e.g. --dense-batch): one table of eager ms (same GPU, same lease)
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (carry it next time)
 # Results: $OUT/results.tar.xz (logs, bench JSON); the short tables are printed last.
 # Usage on the H200, repository root, carry [".offline-gpu"]:
@@ -89,7 +89,7 @@ if has bench; then   # BENCH_ROWS: bench --shapes (default --quick); FLA beside 
     [[ $arch == sm90 ]] && peers=${BENCH_PEERS:-fla}
     [[ $arch != sm90 ]] && proof=$arch
     FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap 200)" python3 benchmark/bench_gated_delta_rule.py \
-      $rows --mode $mode --peers $peers --fla-tuning cached --out "$R/bench" --tag "H200-$arch" \
+      $rows ${BENCH_ARGS:-} --mode $mode --peers $peers --fla-tuning cached --out "$R/bench" --tag "H200-$arch" \
       --deadline-s "$(cap 180)" > "$R/bench-$arch.txt" 2>&1
     echo "bench $arch: rc=$?"
   done
