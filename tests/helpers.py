@@ -57,18 +57,24 @@ def chunk_start_states(h, arch):
     return h[::state_rows(arch)]
 
 
+def skip_unless_fused_kernel() -> None:
+    """Skip a GPU test of the fused backward where the served arch does not build it
+    (``Arch.fused_backward=False``: ``FLASH_QLA_PROOF_ARCH=sm120``)."""
+    import pytest
+
+    if not kernel_arch().fused_backward:
+        pytest.skip(f"{kernel_arch().name} builds no fused backward")
+
+
 def force_fused_backward(monkeypatch, fused: bool) -> None:
     """Both sm90 backwards (unsplit and bounded split) take the fused kernel (True) or
     the sweep and the per-chunk kernel (False), whatever ``plan.fused_backward`` would
     pick (imports the sm90 package: call it from sm90 tests only). Skips the test for
-    True where the served arch builds no fused kernel (``Arch.fused_backward=False``:
-    ``FLASH_QLA_PROOF_ARCH=sm120``)."""
-    import pytest
-
+    True where the served arch builds no fused kernel (:func:`skip_unless_fused_kernel`)."""
     from flash_qla_tl import backward
 
-    if fused and not kernel_arch().fused_backward:
-        pytest.skip(f"{kernel_arch().name} builds no fused backward")
+    if fused:
+        skip_unless_fused_kernel()
 
     for name in ("chunk_bwd", "chunk_bwd_warmup"):
         planned = getattr(backward, name)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_qla
-from tests.helpers import force_fused_backward, kernel_arch, rel_l2
+from tests.helpers import force_fused_backward, kernel_arch, rel_l2, skip_unless_fused_kernel
 from tests.sm90.test_backward_gpu import (
     BOUNDED_BWD_CASES,
     BWD_CASES,
@@ -28,8 +28,7 @@ pytestmark = pytest.mark.sm90
 @pytest.fixture(autouse=True)
 def _fused_kernel_built():
     """The served arch builds the fused kernel (not SM120: ``Arch.fused_backward``)."""
-    if not kernel_arch().fused_backward:
-        pytest.skip(f"{kernel_arch().name} builds no fused backward")
+    skip_unless_fused_kernel()
 
 #: GVA 2/4, strong and zero gates, varlen with an empty sequence, length-1 ones and
 #: padding, varlen GVA 4/16, one long and two short sequences without h0, T = 75 at

@@ -132,6 +132,13 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqle
     return (None if boundary else dS1[:NT]), dh0
 
 
+def gradient_kernel(arch: Arch):
+    """The per-chunk gradient kernel's builder on ``arch``: ``chunk_bwd_intra_kernel``
+    (a state row per 64-token chunk), or ``chunk_bwd_intra_split_kernel`` where the
+    states have a row per sub-chunk (``layout.state_rows``: SM120)."""
+    return chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
+
+
 def grad_buffers(q, v, num_chunks: int, cu_seqlens, cu_seqlens_cpu) -> tuple:
     """The outputs the gradient kernels write (``chunk_bwd_intra``, ``chunk_bwd_fused``)
     for ``Kernels.bwd``'s q ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]``: dq, dk
@@ -203,10 +210,8 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, arch: Arch, scale, cu
                        cu_seqlens)
     NT = h.numel() // (Hv * K * V)
     dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
-    # per 64-token chunk, or per sub-chunk with the states split over V (SM120)
-    builder = chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
     if NT > 0:
-        launcher(builder, arch, DTYPE_NAMES[dt], K, V)(
+        launcher(gradient_kernel(arch), arch, DTYPE_NAMES[dt], K, V)(
             p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
             h.reshape(NT, Hv, K, V).to(dt).contiguous(),
             dS1.reshape(NT, Hv, K, V).to(dt).contiguous(),

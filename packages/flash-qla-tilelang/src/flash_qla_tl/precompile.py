@@ -21,18 +21,16 @@ from pathlib import Path
 
 from . import kernel_index
 from .arch import Arch
+from .backward import gradient_kernel
 from .kernels import (
     chunk_bwd_dh_ws_kernel,
     chunk_bwd_fused_kernel,
-    chunk_bwd_intra_kernel,
-    chunk_bwd_intra_split_kernel,
     chunk_fwd_ws_kernel,
     chunk_prepare_blocked_kernel,
     group_sum_kernel,
     recurrent_step_kernel,
 )
 from .kernels.traits import DTYPES, HEAD_DIMS
-from .layout import state_rows
 from .recurrent import step_args
 
 
@@ -108,8 +106,8 @@ def _decode_variants(arch: Arch, dtype: str, K: int, V: int):
 
 def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
     """:func:`variants`' kernels of the chunked prefill for one dtype and head dims: the
-    per-chunk gradient kernel per ``state_rows(arch)`` (the sub-chunk one where the states
-    have a row per sub-chunk), the fused kernel and the boundary sweep that feeds it where
+    per-chunk gradient kernel of ``backward.gradient_kernel`` (the sub-chunk one where the
+    states have a row per sub-chunk), the fused kernel and the boundary sweep that feeds it where
     ``arch.fused_backward``."""
     yield chunk_prepare_blocked_kernel, (arch, dtype, K)
     for has_h0 in (False, True):
@@ -123,8 +121,7 @@ def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
         for flags in SWEEP_FLAGS:
             if arch.fused_backward or not flags[2:]:
                 yield chunk_bwd_dh_ws_kernel, (arch, dtype, K, V, has_dht, *flags)
-    intra = chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
-    yield intra, (arch, dtype, K, V)
+    yield gradient_kernel(arch), (arch, dtype, K, V)
     yield group_sum_kernel, (arch, dtype, K)
     if arch.fused_backward:
         for has_dht in (False, True):
