@@ -4,9 +4,10 @@ backward), step by step in fp64 PyTorch (CPU).
 One emulated CTA per (32-token sub-chunk, value head), in the kernel's order: the
 sub-chunk's tiles loaded whole (rows past the end zeroed), its gates rebased to its own
 start (``g_cumsum`` minus its value at the token before, inside the 64-token chunk), its
-inverse read as the diagonal block of the chunk's A, S0 / dS1 / v / dO taken in two
-halves over V with every product over V accumulated across them, the column sums as
-row sums of transposed products, and dg as one masked row reduction with the
+inverse read as the diagonal block of the chunk's A, S0 / dS1 / v / dO taken in
+``PARTS`` column blocks over V (the kernel's four; two checked as well) with every
+product over V accumulated across them, the column sums as row sums of transposed
+products, and dg as one masked row reduction with the
 ``<S0, dS1>`` row sums folded onto the sub-chunk's rows.
 
 Checked against the reference's per-chunk backward on the sub-chunk (random S0, dS1),
@@ -33,6 +34,7 @@ from tests.helpers import rel_l2
 from tests.sm90.test_bwd_intra_algorithm import PROBLEMS, make_problem
 
 C, SC = 64, 32
+PARTS = 4          # the kernel's column blocks over V (chunk_input_grads_split.PARTS)
 LOG2E = math.log2(math.e)
 TOL = 1e-10
 
@@ -51,12 +53,13 @@ def _zero_past(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x
 
 
-def emulate_sub_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, part, rows, h, hk):
+def emulate_sub_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, part, rows, h, hk,
+                    parts=PARTS):
     """One CTA: sub-chunk ``part`` (0 or 1) of its chunk, first token t0, ``rows`` valid
-    rows, value head h. Returns (dq, dk ``[rows, K]``, dv ``[rows, V]``, dbeta, dg
+    rows, value head h, the state pair in ``parts`` column blocks. Returns (dq, dk ``[rows, K]``, dv ``[rows, V]``, dbeta, dg
     ``[rows]``)."""
     K, V = q.shape[-1], v.shape[-1]
-    BV = V // 2
+    BV = V // parts
     i = torch.arange(SC)
     q_c = _zero_past(_rows(q[:, hk], t0), rows)
     k_c = _zero_past(_rows(k[:, hk], t0), rows)
@@ -75,8 +78,8 @@ def emulate_sub_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, part, ro
     dq, dk = torch.zeros(SC, K, dtype=q.dtype), torch.zeros(SC, K, dtype=q.dtype)
     dv = torch.zeros(SC, V, dtype=q.dtype)
     qs, dd, ks, ss = [], [], [], []
-    for half in range(2):
-        cols = slice(half * BV, (half + 1) * BV)
+    for blk in range(parts):
+        cols = slice(blk * BV, (blk + 1) * BV)
         s0, ds1 = S0[:, cols], dS1[:, cols]
         v_h = _zero_past(_rows(v[:, h, cols], t0), rows)
         do_h = _zero_past(_rows(do[:, h, cols], t0), rows)
@@ -110,10 +113,10 @@ def emulate_sub_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, part, ro
     dq = dq + dpg @ k_c
     dk = dk + dpg.T @ q_c + bdn @ k_c + bdn.T @ k_c
 
-    ddv = torch.where(i < rows, dd[0] + dd[1], 0.0)
-    dgam = torch.where(i < rows, r_dgg - c_dgg + (qs[0] + qs[1]) * scale * torch.exp2(gam)
-                       + ks[0] + ks[1] - ddv, 0.0)
-    ss_rows = (ss[0] + ss[1]).reshape(K // SC, SC).sum(dim=0)
+    ddv = torch.where(i < rows, sum(dd), 0.0)
+    dgam = torch.where(i < rows, r_dgg - c_dgg + sum(qs) * scale * torch.exp2(gam)
+                       + sum(ks) - ddv, 0.0)
+    ss_rows = sum(ss).reshape(K // SC, SC).sum(dim=0)
     terms = (torch.where(i[None, :] >= i[:, None], dgam[None, :], 0.0) + ddv[None, :]
              + torch.exp2(gam[-1]) * ss_rows[None, :])
     dg = terms.sum(dim=1)
@@ -146,8 +149,9 @@ def _reference_sub_chunk(x, S0, dS1, scale, t0, part, rows, hh, hk):
     return f, _chunk_backward(qc, kc, bc, Ac, S0[None, None], f, doc, dS1[None, None], scale)
 
 
+@pytest.mark.parametrize("parts", [PARTS, 2])
 @pytest.mark.parametrize("name", list(PROBLEMS))
-def test_sub_chunk_cta_matches_reference_chunk_backward(name):
+def test_sub_chunk_cta_matches_reference_chunk_backward(name, parts):
     """Each emulated CTA against the reference backward of its sub-chunk (random S0,
     dS1): tails into the next sequence, padding, strong / zero gates, extreme beta."""
     x = make_problem(**PROBLEMS[name], seed=len(name) + 1)
@@ -161,7 +165,8 @@ def test_sub_chunk_cta_matches_reference_chunk_backward(name):
             S0 = torch.randn(K, V, generator=gen, dtype=torch.float64)
             dS1 = torch.randn(K, V, generator=gen, dtype=torch.float64)
             ours = emulate_sub_cta(x["q"], x["k"], x["v"], x["do"], x["g_cumsum"],
-                                   x["beta"], x["A"], S0, dS1, scale, t0, part, rows, hh, hk)
+                                   x["beta"], x["A"], S0, dS1, scale, t0, part, rows, hh, hk,
+                                   parts)
             _, ref = _reference_sub_chunk(x, S0, dS1, scale, t0, part, rows, hh, hk)
             for nm, a, b in zip(("dq", "dk", "dv", "dbeta", "dg"), ours,
                                 (ref.dq, ref.dk, ref.dv, ref.dbeta, ref.dg)):

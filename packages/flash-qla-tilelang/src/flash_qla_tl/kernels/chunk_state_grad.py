@@ -44,13 +44,13 @@ from .builder import arch_kernel
 from .chunk_state_output import AUX_BARRIER, ROWS, STATE_BARRIER, ws_budgets
 from .tile_ops import (
     LOG2E,
-    fetch_gates,
+    fetch_tile_gates,
     mma,
     mma_wait,
-    rebase_gates,
     search_walk_end,
     store_staged,
     store_transposed,
+    tma_inverse,
 )
 from .traits import CHUNK
 
@@ -127,11 +127,7 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
         T.tma_copy(q[t0:t0 + SC, hk, :], q_s[s, :, :], barrier=loaded[s])
         T.tma_copy(k[t0:t0 + SC, hk, :], k_s[s, :, :], barrier=loaded[s])
         T.tma_copy(do[t0:t0 + SC, h, :], do_s[s, :, :], barrier=loaded[s])
-        if SUBS == 1:
-            T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
-        else:
-            col = (c % SUBS) * SC
-            T.tma_copy(A[t0:t0 + SC, h, col:col + SC], ag_s[s, :, :], barrier=loaded[s])
+        tma_inverse(A, ag_s, loaded, s, t0, h, c, SC)
         T.barrier_arrive(loaded[s])
 
     @T.prim_func
@@ -210,12 +206,8 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
                 if chunks > 0:
                     load_chunk(q, k, do, A, empty, loaded, q_s, k_s, do_s, ag_s,
                                bos + (chunks - 1) * SC, hk, h, 0, chunks - 1)
-                    fetch_gates(g_cumsum, beta, h, bos + (chunks - 1) * SC, last, gam_next,
-                                gam_last_next, beta_next)
-                    if SUBS > 1:     # a second half: its gam from its own start (rebased)
-                        if (chunks - 1) % SUBS != 0:
-                            rebase_gates(g_cumsum, h, bos + (chunks - 1) * SC, last,
-                                         gam_next, gam_last_next)
+                    fetch_tile_gates(g_cumsum, beta, h, bos + (chunks - 1) * SC, last,
+                                     chunks - 1, SC, gam_next, gam_last_next, beta_next)
                 for r in T.serial(chunks):
                     c = chunks - 1 - r                        # walk the chunks backwards
                     a0 = bos + c * SC
@@ -239,12 +231,8 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
                         eg_s[sa, i] = T.exp2(gam_next[i] * LOG2E)
                         ed_s[sa, i] = T.exp2((gam_last_next[i] - gam_next[i]) * LOG2E)
                     if c > 0:                                 # the previous chunk's gates
-                        fetch_gates(g_cumsum, beta, h, a0 - SC, last, gam_next,
-                                    gam_last_next, beta_next)
-                        if SUBS > 1:
-                            if (c - 1) % SUBS != 0:
-                                rebase_gates(g_cumsum, h, a0 - SC, last, gam_next,
-                                             gam_last_next)
+                        fetch_tile_gates(g_cumsum, beta, h, a0 - SC, last, c - 1, SC,
+                                         gam_next, gam_last_next, beta_next)
                     T.fence_proxy_async()
                     T.sync_threads(AUX_BARRIER, 128)
                     T.gemm(q_s[sa, :, :], k_s[sa, :, :], qk, transpose_B=True,

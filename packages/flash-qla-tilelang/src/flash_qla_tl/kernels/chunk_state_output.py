@@ -59,11 +59,12 @@ from .builder import arch_kernel
 from .tile_ops import (
     LOG2E,
     fetch_gates,
+    fetch_tile_gates,
     mma,
     mma_wait,
-    rebase_gates,
     store_staged,
     store_transposed,
+    tma_inverse,
 )
 from .traits import CHUNK, WALK_UNROLL
 
@@ -199,11 +200,7 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             T.tma_copy(q[t0:t0 + SC, hk, :], q_s[s, :, :], barrier=loaded[s])
         T.tma_copy(k[t0:t0 + SC, hk, :], k_s[s, :, :], barrier=loaded[s])
         T.tma_copy(v[t0:t0 + SC, h, :], v_s[s, :, :], barrier=loaded[s])
-        if SUBS == 1:
-            T.tma_copy(A[t0:t0 + C, h, :], ag_s[s, :, :], barrier=loaded[s])
-        else:
-            col = (c % SUBS) * SC
-            T.tma_copy(A[t0:t0 + SC, h, col:col + SC], ag_s[s, :, :], barrier=loaded[s])
+        tma_inverse(A, ag_s, loaded, s, t0, h, c, SC)
         T.barrier_arrive(loaded[s])
 
     @T.macro
@@ -336,11 +333,8 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                         beta_s[i] = beta_next[i]
                         eg_s[sa, i] = T.exp2(gam_next[i] * LOG2E)
                         ed_s[sa, i] = T.exp2((gam_last_next[i] - gam_next[i]) * LOG2E)
-                    fetch_gates(g_cumsum, beta, h, a0 + SC, last, gam_next, gam_last_next,
-                                beta_next)
-                    if SUBS > 1:     # a second half: its gam from its own start (rebased)
-                        if (c + 1) % SUBS != 0:
-                            rebase_gates(g_cumsum, h, a0 + SC, last, gam_next, gam_last_next)
+                    fetch_tile_gates(g_cumsum, beta, h, a0 + SC, last, c + 1, SC, gam_next,
+                                     gam_last_next, beta_next)
                     T.fence_proxy_async()
                     T.sync_threads(AUX_BARRIER, 128)
                     if not states_only:

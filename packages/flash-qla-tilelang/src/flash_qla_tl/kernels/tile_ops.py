@@ -3,7 +3,9 @@
 - ``fetch_gates`` / ``stage_gates``: a chunk's gates global -> registers (issued one chunk
   ahead, so the loads overlap the current chunk) -> shared memory as the per-row factors
   of the chunked form (gdn-math.md): log2-scaled gam, exp(gam), exp(gam_C - gam), beta;
-  ``rebase_gates``: a sub-chunk's own cumsum from its chunk's.
+  ``rebase_gates``: a sub-chunk's own cumsum from its chunk's; ``fetch_tile_gates``:
+  ``fetch_gates`` of a walk's (sub-)chunk, rebased where it starts inside its chunk.
+- ``tma_inverse``: the TMA box of a (sub-)chunk's inverse in A.
 - ``zero_rows_past``: zero a shared tile's rows past the end of a sequence, so that NaN
   or Inf in padding (or in the next sequence's rows) never meets a GEMM as 0 * NaN.
 - ``search_walk_end``: where a bounded split's reverse walk ends (the dS sweeps).
@@ -66,6 +68,33 @@ def rebase_gates(g_cumsum, h, start, last, gam_next, gam_last_next):
     for i in T.Parallel(gam_next.shape[0]):
         gam_next[i] = gam_next[i] - base
         gam_last_next[i] = gam_last_next[i] - base
+
+
+@T.macro
+def fetch_tile_gates(g_cumsum, beta, h, start, last, c, sub_chunk, gam_next, gam_last_next,
+                     beta_next):
+    """:func:`fetch_gates` for the walk's tile number ``c`` of its sequence (first token
+    ``start``), ``sub_chunk`` tokens a tile: where tiles are sub-chunks (``sub_chunk`` <
+    64) and tile ``c`` is not its chunk's first, :func:`rebase_gates` too."""
+    fetch_gates(g_cumsum, beta, h, start, last, gam_next, gam_last_next, beta_next)
+    if sub_chunk < CHUNK:
+        if c % (CHUNK // sub_chunk) != 0:
+            rebase_gates(g_cumsum, h, start, last, gam_next, gam_last_next)
+
+
+@T.macro
+def tma_inverse(A, ag_s, barriers, slot, t0, h, c, sub_chunk):
+    """TMA the inverse of the walk's tile number ``c`` (first token ``t0``, value head
+    ``h``) from ``A`` ``[Tt, H, 64]`` into ``ag_s[slot]``, arriving on
+    ``barriers[slot]``: the chunk's whole ``[64, 64]`` block, or for a sub-chunk of
+    ``sub_chunk`` tokens the diagonal ``[sub_chunk, sub_chunk]`` block of its chunk's (A
+    is block lower triangular)."""
+    if sub_chunk == CHUNK:
+        T.tma_copy(A[t0:t0 + CHUNK, h, :], ag_s[slot, :, :], barrier=barriers[slot])
+    else:
+        col = (c % (CHUNK // sub_chunk)) * sub_chunk
+        T.tma_copy(A[t0:t0 + sub_chunk, h, col:col + sub_chunk], ag_s[slot, :, :],
+                   barrier=barriers[slot])
 
 
 @T.macro
