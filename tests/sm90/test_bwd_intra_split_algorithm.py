@@ -56,8 +56,8 @@ def _zero_past(x: torch.Tensor, rows: int) -> torch.Tensor:
 def emulate_sub_cta(q, k, v, do, g_cumsum, beta, A, S0, dS1, scale, t0, part, rows, h, hk,
                     parts=PARTS):
     """One CTA: sub-chunk ``part`` (0 or 1) of its chunk, first token t0, ``rows`` valid
-    rows, value head h, the state pair in ``parts`` column blocks. Returns (dq, dk ``[rows, K]``, dv ``[rows, V]``, dbeta, dg
-    ``[rows]``)."""
+    rows, value head h, the state pair in ``parts`` column blocks. Returns (dq, dk
+    ``[rows, K]``, dv ``[rows, V]``, dbeta, dg ``[rows]``)."""
     K, V = q.shape[-1], v.shape[-1]
     BV = V // parts
     i = torch.arange(SC)

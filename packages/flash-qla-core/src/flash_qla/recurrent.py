@@ -90,9 +90,9 @@ def fused_recurrent_gated_delta_rule(
             ``allow_neg_eigval``, or inputs that require grad (train with
             :func:`flash_qla.chunk_gated_delta_rule`).
     """
-    for name, x in (("gk", gk), ("gv", gv)):
+    for name, kind, x in (("gk", "per-key", gk), ("gv", "per-value", gv)):
         if x is not None:
-            raise NotImplementedError(f"{name} (FLA's per-key / per-value gate) is not "
+            raise NotImplementedError(f"{name} (FLA's {kind} gate) is not "
                                       "supported; pass the per-head gate g (and beta by "
                                       "keyword: FLA's signature puts gk, gv before beta)")
     validation.check_bool("allow_neg_eigval", allow_neg_eigval)

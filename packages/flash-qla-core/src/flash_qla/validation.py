@@ -16,6 +16,7 @@ to no sequence).
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Sequence
@@ -68,9 +69,11 @@ def check_shape(name: str, x: torch.Tensor, expected: Sequence[int], layout: str
 
 
 def check_qk_shapes(q: torch.Tensor, k: torch.Tensor) -> None:
-    """q and k are ``[B, T, Hk, K]`` with the same shape."""
+    """q and k are ``[B, T, Hk, K]`` with the same shape, K >= 1."""
     check_rank("q", q, "[B, T, Hk, K]")
     check_shape("k", k, q.shape, "[B, T, Hk, K] (q's shape)")
+    if q.shape[3] == 0:
+        raise ValueError(f"q and k need a head dim K >= 1; got K=0 (shape {_shape(q)})")
 
 
 def check_batch_time(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
@@ -96,6 +99,8 @@ def check_v_shape(v: torch.Tensor, q: torch.Tensor) -> None:
     check_rank("v", v, "[B, T, Hv, V]")
     check_batch_time("v", v, q)
     check_value_heads(q.shape[2], v.shape[2])
+    if v.shape[3] == 0:
+        raise ValueError(f"v needs a head dim V >= 1; got V=0 (shape {_shape(v)})")
 
 
 def check_per_head(name: str, x: torch.Tensor, v: torch.Tensor) -> None:
@@ -286,9 +291,13 @@ def check_state(
 
 
 def check_scale(scale: object) -> None:
-    """scale is None or a real number."""
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+    """scale is None or a finite real number."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None; got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float (or None for K ** -0.5); got {scale}")
 
 
 def check_gate_params(
