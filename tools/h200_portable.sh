@@ -11,6 +11,7 @@
 #   sm120    FLASH_QLA_PROOF_ARCH=sm120: forward, backward (the sub-chunk sweep and
 #            gradient kernel; no fused kernel: its tests skip), drop-in, decode and state
 #            pool GPU tests, three groups side by side (SM120_GROUPS overrides)
+#            (TEST_CAP: seconds the test groups may take, default 450)
 #   sm90     the same groups on SM90's own kernels (SM90_GROUPS overrides), beside sm120
 #            when both are asked for: the regression check of a shared-source change
 #   bench    bench_gated_delta_rule.py (BENCH_ROWS, default --quick) for SM90 beside FLA
@@ -74,8 +75,8 @@ if has sm120 || has sm90; then
     var=${arch^^}_GROUPS; IFS=';' read -ra groups <<< "${!var}"
     i=0
     for g in "${groups[@]}"; do
-      FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap 450)" python3 -m pytest -q -p no:cacheprovider \
-        -rfEs --durations=3 -m gpu $g > "$R/$arch-tests-$i.txt" 2>&1 &
+      FLASH_QLA_PROOF_ARCH=$proof timeout "$(cap "${TEST_CAP:-450}")" python3 -m pytest -q \
+        -p no:cacheprovider -rfEs --durations=3 -m gpu $g > "$R/$arch-tests-$i.txt" 2>&1 &
       i=$((i + 1))
     done
   done
