@@ -12,26 +12,21 @@ Its inverse is the diagonal SC x SC block of its 64-token chunk's A (A is block 
 triangular), and its gates are rebased to its own start, so dg is the gradient of the
 raw per-token gate as in the 64-token kernel.
 
-S0 and dS1 pass through shared memory in ``PARTS`` = 4 column blocks over V,
-``[K, V / 4]``, with the blocks of v and dO, double-buffered: block p + 1's cp.async
-loads fly while block p computes (and block 0's while P, Ag and G are formed), so one
-CTA per SM (its 210 registers at 256 threads; SM120's 99 KB) still overlaps its loads.
-Everything linear in V per column (X, U, dU, dX = dV) is computed per block; every
-product that sums over V accumulates over the blocks: in registers (dAg = dU X^T and its
-transpose X dU^T, dP = dO U^T and U dO^T, dQ's ``scale E dO S0^T``, dK's ``D U dS1^T -
-E dX S0^T``) or as per-block row sums in shared memory (``<dO, Q S0>``, ``<D K dS1,
-U>``, ``<E dX, K S0>``, ``<S0, dS1>``). After the last block the [SC, SC] factors (M,
-dP * G, dN) are formed once and the products over the sub-chunk's rows (dP * G with K
-and Q, diag(beta) dN with K) finish dq and dk. Column sums are row sums of transposed
-products (``arch.column_sums == "transposed"``, as mma.sync fragments need); the
-diagonal terms of dGG read the same rounded P in both sums, as in
-``chunk_input_grads``.
+S0 and dS1 pass through shared memory in two halves over V, ``[K, V / 2]``, with the
+halves of v and dO. Everything linear in V per column (X, U, dU, dX = dV) is computed
+per half; every product that sums over V accumulates over the halves: in registers
+(dAg = dU X^T and its transpose X dU^T, dP = dO U^T and U dO^T, dQ's ``scale E dO
+S0^T``, dK's ``D U dS1^T - E dX S0^T``) or as per-half row sums in shared memory
+(``<dO, Q S0>``, ``<D K dS1, U>``, ``<E dX, K S0>``, ``<S0, dS1>``). After both halves
+the [SC, SC] factors (M, dP * G, dN) are formed once and the products over the
+sub-chunk's rows (dP * G with K and Q, diag(beta) dN with K) finish dq and dk. Column
+sums are row sums of transposed products (``arch.column_sums == "transposed"``, as
+mma.sync fragments need); the diagonal terms of dGG read the same rounded P in both
+sums, as in ``chunk_input_grads``.
 
-Plain ``T.gemm`` (mma.sync on every target of such an arch), cp.async loads with
-explicit commit groups (:func:`load_part`), TileLang's automatic synchronisation
-otherwise. Resources (SC = 32, K = V = 128, 256 threads, sm_120a): 84,608 B of shared
-memory, 210 registers, no spill (checked against ``arch.smem_limit`` by the compile
-tests).
+Plain ``T.gemm`` (mma.sync on every target of such an arch), cp.async loads, TileLang's
+automatic synchronisation. Resources (SC = 32, K = V = 128, 256 threads): ~80 KB of
+shared memory (checked against ``arch.smem_limit`` by the compile tests).
 """
 
 import functools
@@ -43,25 +38,6 @@ from ..arch import Arch
 from .builder import arch_kernel
 from .tile_ops import LOG2E, zero_rows_past
 from .traits import CHUNK, GRAD_THREADS
-
-#: column blocks of V the state pair is taken in (double-buffered)
-PARTS = 4
-
-
-@T.macro
-def load_part(v, do, h, dS1, v_s, do_s, s0_s, ds1_s, t0, hh, srow, part, stage):
-    """cp.async the ``part``-th column block of v, dO (the sub-chunk's rows) and of its
-    S0, dS1 into the double-buffered tiles' ``stage``: four commit groups."""
-    SC, BV = v_s.shape[1], v_s.shape[2]
-    j0 = part * BV
-    T.async_copy(v[t0:t0 + SC, hh, j0:j0 + BV], v_s[stage, :, :])
-    T.async_copy(do[t0:t0 + SC, hh, j0:j0 + BV], do_s[stage, :, :])
-    T.async_copy(h[srow, hh, :, j0:j0 + BV], s0_s[stage, :, :])
-    T.async_copy(dS1[srow, hh, :, j0:j0 + BV], ds1_s[stage, :, :])
-
-
-#: cp.async commit groups a column block's loads make (:func:`load_part`)
-PART_GROUPS = 4
 
 
 @arch_kernel()
@@ -81,15 +57,11 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
     SUBS = C // SC
     assert SUBS * SC == C and SUBS > 1, SC
     assert arch.column_sums == "transposed"
-    BV = V // PARTS                                # the state's columns per block
-    assert K % SC == 0 and BV * PARTS == V
+    assert K % SC == 0 and V % 2 == 0
+    BV = V // 2                                    # the state's columns per half
     FOLD = K // SC                                 # <S0, dS1>'s K row sums per dg row
     Tt, Hk, Hv, NG, N1, NT, NTmax = T.dynamic("Tt, Hk, Hv, NG, N1, NT, NTmax")
     f32 = "float32"
-
-    def over_parts(sums, r, i):
-        """``sums[r, p, i]`` summed over the column blocks p (an expression)."""
-        return functools.reduce(operator.add, [sums[r, p, i] for p in range(PARTS)])
 
     @T.prim_func
     def chunk_bwd_intra_split(
@@ -113,7 +85,7 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
         dg: T.Tensor((Tt, Hv), f32),
     ):
         with T.Kernel(NTmax * SUBS * Hv, threads=GRAD_THREADS) as bid:
-            # the sub-chunk's tiles, for every column block
+            # the sub-chunk's tiles, for both halves
             q_s = T.alloc_shared((SC, K), dtype)
             k_s = T.alloc_shared((SC, K), dtype)
             a_s = T.alloc_shared((SC, SC), dtype)             # A's diagonal block
@@ -121,23 +93,22 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
             ag_s = T.alloc_shared((SC, SC), dtype)            # Ag, then diag(beta) dN
             g_s = T.alloc_shared((SC, SC), dtype)             # G (masked), then dP * G
             m_s = T.alloc_shared((SC, SC), dtype)             # M = dAg diag(beta) * G
-            # a column block's tiles, double-buffered: block p + 1 loads during p
-            s0_s = T.alloc_shared((2, K, BV), dtype)
-            ds1_s = T.alloc_shared((2, K, BV), dtype)
-            v_s = T.alloc_shared((2, SC, BV), dtype)          # V, then U, then D U
-            do_s = T.alloc_shared((2, SC, BV), dtype)         # dO, then scale E dO
+            # one half's tiles
+            s0_s = T.alloc_shared((K, BV), dtype)
+            ds1_s = T.alloc_shared((K, BV), dtype)
+            v_s = T.alloc_shared((SC, BV), dtype)             # V, then U, then D U
+            do_s = T.alloc_shared((SC, BV), dtype)            # dO, then scale E dO
             x_s = T.alloc_shared((SC, BV), dtype)             # X = V - E K S0
             du_s = T.alloc_shared((SC, BV), dtype)            # dU, then -E dX
-            # per-row vectors (fp32): per-block row sums, then the final terms
+            # per-row vectors (fp32): per-half row sums, then the final terms
             gam_s = T.alloc_shared((SC,), f32)                # log2-scaled, rebased
             beta_s = T.alloc_shared((SC,), f32)
-            part_s = T.alloc_shared((3, PARTS, SC), f32)      # <dO,QS0>, <DKdS1,U>, <EdX,KS0>
-            vec_s = T.alloc_shared((6, SC), f32)
+            vec_s = T.alloc_shared((12, SC), f32)
             dgam_s = T.alloc_shared((SC,), f32)
-            ss_s = T.alloc_shared((PARTS, K), f32)            # row sums of S0 * dS1, per block
+            ss_s = T.alloc_shared((2, K), f32)                # row sums of S0 * dS1, per half
             gam_f = T.alloc_fragment((SC,), f32)
             beta_f = T.alloc_fragment((SC,), f32)
-            # [SC, SC] fragments; the four accumulators sum over every block
+            # [SC, SC] fragments; the four accumulators sum over both halves
             qk = T.alloc_fragment((SC, SC), f32)              # Q K^T, P, then M
             cc = T.alloc_fragment((SC, SC), f32)              # A, Ag, then A^T M (A^T)
             gf = T.alloc_fragment((SC, SC), f32)              # G, then K K^T
@@ -146,7 +117,7 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
             dag_t = T.alloc_fragment((SC, SC), f32)           # X dU^T
             dp = T.alloc_fragment((SC, SC), f32)              # dO U^T
             dp_t = T.alloc_fragment((SC, SC), f32)            # U dO^T
-            # [SC, BV] per block, [SC, K] over all
+            # [SC, BV] per half, [SC, K] over both
             ks0 = T.alloc_fragment((SC, BV), f32)             # K S0
             cv = T.alloc_fragment((SC, BV), f32)
             u_f = T.alloc_fragment((SC, BV), f32)
@@ -188,8 +159,6 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
 
                     T.async_copy(q[t0:t0 + SC, hk, :], q_s)
                     T.async_copy(k[t0:t0 + SC, hk, :], k_s)
-                    # the first column block flies while P, Ag and G are formed
-                    load_part(v, do, h, dS1, v_s, do_s, s0_s, ds1_s, t0, hh, srow, 0, 0)
                     T.copy(A[t0:t0 + SC, hh, col:col + SC], a_s)
                     for i in T.Parallel(SC):
                         gam_f[i] = (g_cumsum[t0 + T.min(i, rows - 1), hh] - base) * LOG2E
@@ -197,7 +166,7 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     for i in T.Parallel(SC):
                         gam_s[i] = gam_f[i]
                         beta_s[i] = beta_f[i]
-                    T.ptx_wait_group(PART_GROUPS)                 # q and k landed
+                    T.ptx_wait_group(0)
                     T.sync_threads()
                     # rows past the end may hold NaN (padding): zeroed before any GEMM
                     zero_rows_past(q_s, rows)
@@ -225,43 +194,37 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     T.clear(dq_f)
                     T.clear(dk_f)
 
-                    for blk in T.serial(PARTS):
-                        sb = blk % 2
-                        j0 = blk * BV
-                        T.sync_threads()           # block blk - 1's tiles read
-                        if blk + 1 < PARTS:        # the next block flies during this one
-                            load_part(v, do, h, dS1, v_s, do_s, s0_s, ds1_s, t0, hh, srow,
-                                      blk + 1, 1 - sb)
-                            T.ptx_wait_group(PART_GROUPS)
-                        else:
-                            T.ptx_wait_group(0)
+                    for half in T.serial(2):
+                        j0 = half * BV
+                        T.sync_threads()                 # the previous half's tiles read
+                        T.async_copy(v[t0:t0 + SC, hh, j0:j0 + BV], v_s)
+                        T.async_copy(do[t0:t0 + SC, hh, j0:j0 + BV], do_s)
+                        T.async_copy(h[srow, hh, :, j0:j0 + BV], s0_s)
+                        T.async_copy(dS1[srow, hh, :, j0:j0 + BV], ds1_s)
+                        T.ptx_wait_group(0)
                         T.sync_threads()
-                        if rows < SC:
-                            for i, j in T.Parallel(SC, BV):
-                                if i >= rows:
-                                    v_s[sb, i, j] = T.cast(0, dtype)
-                                    do_s[sb, i, j] = T.cast(0, dtype)
-                            T.sync_threads()
+                        zero_rows_past(v_s, rows)
+                        zero_rows_past(do_s, rows)
+                        T.sync_threads()
 
                         # ---- forward recompute: K S0, X, U; <dO, Q S0>
-                        T.gemm(k_s, s0_s[sb, :, :], ks0, clear_accum=True)           # K S0
-                        T.gemm(q_s, s0_s[sb, :, :], cv, clear_accum=True)            # Q S0
+                        T.gemm(k_s, s0_s, ks0, clear_accum=True)                     # K S0
+                        T.gemm(q_s, s0_s, cv, clear_accum=True)                      # Q S0
                         for i, j in T.Parallel(SC, BV):
-                            cv[i, j] = cv[i, j] * do_s[sb, i, j]
+                            cv[i, j] = cv[i, j] * do_s[i, j]
                         T.reduce_sum(cv, r_qs, dim=1)
                         for i in T.Parallel(SC):
-                            part_s[0, blk, i] = r_qs[i]
-                        T.copy(v_s[sb, :, :], u_f)
+                            vec_s[half, i] = r_qs[i]
+                        T.copy(v_s, u_f)
                         for i, j in T.Parallel(SC, BV):
                             u_f[i, j] = u_f[i, j] - T.exp2(gam_s[i]) * ks0[i, j]     # X
                         T.copy(u_f, x_s)
                         T.gemm(ag_s, x_s, u_f, clear_accum=True)                     # U
-                        T.copy(u_f, v_s[sb, :, :])
+                        T.copy(u_f, v_s)
 
                         # ---- dU = scale P^T dO + D K dS1; <D K dS1, U>
-                        T.gemm(p_s, do_s[sb, :, :], du_f, transpose_A=True,
-                               clear_accum=True)                                     # P^T dO
-                        T.gemm(k_s, ds1_s[sb, :, :], cv, clear_accum=True)           # K dS1
+                        T.gemm(p_s, do_s, du_f, transpose_A=True, clear_accum=True)  # P^T dO
+                        T.gemm(k_s, ds1_s, cv, clear_accum=True)                     # K dS1
                         for i, j in T.Parallel(SC, BV):
                             kds = T.exp2(gam_s[SC - 1] - gam_s[i]) * cv[i, j]
                             du_f[i, j] = du_f[i, j] * scale + kds
@@ -269,7 +232,7 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                         T.copy(du_f, du_s)
                         T.reduce_sum(cv, r_dd, dim=1)
                         for i in T.Parallel(SC):
-                            part_s[1, blk, i] = r_dd[i]
+                            vec_s[2 + half, i] = r_dd[i]
 
                         # ---- dAg (and its transpose) accumulate; dX = Ag^T dU is dV
                         T.gemm(du_s, x_s, dag, transpose_B=True)                     # dU X^T
@@ -283,31 +246,30 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                             cv[i, j] = du_f[i, j] * ks0[i, j]
                         T.reduce_sum(cv, r_ks, dim=1)
                         for i in T.Parallel(SC):
-                            part_s[2, blk, i] = r_ks[i]
+                            vec_s[4 + half, i] = r_ks[i]
 
                         # ---- dP (and its transpose) accumulate, unscaled
-                        T.gemm(do_s[sb, :, :], v_s[sb, :, :], dp, transpose_B=True)  # dO U^T
-                        T.gemm(v_s[sb, :, :], do_s[sb, :, :], dp_t, transpose_B=True)  # U dO^T
+                        T.gemm(do_s, v_s, dp, transpose_B=True)                      # dO U^T
+                        T.gemm(v_s, do_s, dp_t, transpose_B=True)                    # U dO^T
 
-                        # ---- this block's share of dQ and dK: the row factors go into
+                        # ---- this half's share of dQ and dK: the row factors go into
                         # the operands (their last use), then three products
                         T.copy(du_f, du_s)                                           # -E dX
                         for i, j in T.Parallel(SC, BV):
                             u_f[i, j] = u_f[i, j] * T.exp2(gam_s[SC - 1] - gam_s[i])  # D U
-                        T.copy(u_f, v_s[sb, :, :])
-                        T.copy(do_s[sb, :, :], cv)
+                        T.copy(u_f, v_s)
+                        T.copy(do_s, cv)
                         for i, j in T.Parallel(SC, BV):
                             cv[i, j] = cv[i, j] * (scale * T.exp2(gam_s[i]))        # scale E dO
-                        T.copy(cv, do_s[sb, :, :])
-                        T.gemm(do_s[sb, :, :], s0_s[sb, :, :], dq_f, transpose_B=True)
-                        T.gemm(v_s[sb, :, :], ds1_s[sb, :, :], dk_f, transpose_B=True)
-                        T.gemm(du_s, s0_s[sb, :, :], dk_f, transpose_B=True)
+                        T.copy(cv, do_s)
+                        T.gemm(do_s, s0_s, dq_f, transpose_B=True)
+                        T.gemm(v_s, ds1_s, dk_f, transpose_B=True)
+                        T.gemm(du_s, s0_s, dk_f, transpose_B=True)
                         for i, j in T.Parallel(K, BV):
-                            st[i, j] = (T.cast(s0_s[sb, i, j], f32)
-                                        * T.cast(ds1_s[sb, i, j], f32))
+                            st[i, j] = T.cast(s0_s[i, j], f32) * T.cast(ds1_s[i, j], f32)
                         T.reduce_sum(st, r_ss, dim=1)
                         for i in T.Parallel(K):
-                            ss_s[blk, i] = r_ss[i]
+                            ss_s[half, i] = r_ss[i]
 
                     # ---- the column sums (dbeta's first term, dGG's columns) from the
                     # transposed products, G and A (then P) read transposed
@@ -319,8 +281,8 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                         dp_t[j, i] = dp_t[j, i] * scale * T.cast(p_s[i, j], f32)
                     T.reduce_sum(dp_t, c_dgg, dim=1)
                     for j in T.Parallel(SC):
-                        vec_s[0, j] = c_dba[j]                                       # dbeta, 1st
-                        vec_s[1, j] = c_dgg[j] + beta_s[j] * c_dba[j]                # dGG cols
+                        vec_s[6, j] = c_dba[j]                                       # dbeta, 1st
+                        vec_s[7, j] = c_dgg[j] + beta_s[j] * c_dba[j]                # dGG cols
 
                     # ---- M, dP * G, dGG's rows
                     T.copy(g_s, gf)                                                  # G
@@ -334,7 +296,7 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     T.copy(qk, m_s)
                     T.reduce_sum(dgg, r_dgg, dim=1)
                     for i in T.Parallel(SC):
-                        vec_s[2, i] = r_dgg[i]
+                        vec_s[8, i] = r_dgg[i]
 
                     # ---- dN = strictly_lower(-A^T M A^T): dbeta's second term, diag(beta) dN
                     T.gemm(a_s, m_s, cc, transpose_A=True, clear_accum=True)         # A^T M
@@ -349,7 +311,7 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     T.copy(dp, g_s)
                     T.reduce_sum(gf, r_dn, dim=1)
                     for i in T.Parallel(SC):
-                        vec_s[3, i] = r_dn[i]
+                        vec_s[9, i] = r_dn[i]
 
                     # ---- dQ += (dP * G) K; dK += (dP * G)^T Q + bdN K + bdN^T K
                     T.gemm(g_s, k_s, dq_f)
@@ -363,24 +325,22 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
 
                     # ---- dbeta, and dg = reverse cumsum of dgam (+ the gam_SC terms)
                     for i in T.Parallel(SC):
-                        dd = T.if_then_else(i < rows, over_parts(part_s, 1, i),
-                                            0.0)
+                        dd = T.if_then_else(i < rows, vec_s[2, i] + vec_s[3, i], 0.0)
                         if i < rows:
-                            dbeta[t0 + i, hh] = vec_s[0, i] + vec_s[3, i]
+                            dbeta[t0 + i, hh] = vec_s[6, i] + vec_s[9, i]
                         dgam_s[i] = T.if_then_else(
                             i < rows,
-                            (vec_s[2, i] - vec_s[1, i]
-                             + over_parts(part_s, 0, i) * scale
-                             * T.exp2(gam_s[i])
-                             + over_parts(part_s, 2, i) - dd),
+                            (vec_s[8, i] - vec_s[7, i]
+                             + (vec_s[0, i] + vec_s[1, i]) * scale * T.exp2(gam_s[i])
+                             + vec_s[4, i] + vec_s[5, i] - dd),
                             0.0)
-                        vec_s[4, i] = dd
-                        vec_s[5, i] = T.exp2(gam_s[SC - 1]) * functools.reduce(
-                            operator.add, [ss_s[p, i + u * SC]
-                                           for p in range(PARTS) for u in range(FOLD)])
+                        vec_s[10, i] = dd
+                        vec_s[11, i] = T.exp2(gam_s[SC - 1]) * functools.reduce(
+                            operator.add, [ss_s[0, i + u * SC] + ss_s[1, i + u * SC]
+                                           for u in range(FOLD)])
                     for i, m in T.Parallel(SC, SC):
                         cc[i, m] = (T.if_then_else(m >= i, dgam_s[m], 0.0)
-                                    + vec_s[4, m] + vec_s[5, m])
+                                    + vec_s[10, m] + vec_s[11, m])
                     T.reduce_sum(cc, r_dg, dim=1)
                     for i in T.Parallel(SC):
                         if i < rows:
