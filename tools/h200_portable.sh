@@ -20,9 +20,8 @@
 #            (e.g. --dense-batch): one table of eager ms (same GPU, same lease)
 #   profile  profile/profile_gdr.py (per-kernel device time, forward and backward) of
 #            ours on PROFILE_SHAPES for each of BENCH_ARCHES, no peers
-#   ncu      Nsight Compute (if the host has it) of one launch of NCU_KERNEL (a regex,
-#            default chunk_bwd_intra_split) under FLASH_QLA_PROOF_ARCH=NCU_ARCH (default
-#            sm120) while profile_gdr.py runs NCU_SHAPE: occupancy, throughput, stalls
+#            (Nsight Compute of one kernel under a proof build: tools/h200_session.sh's ncu
+#            stage with FLASH_QLA_PROOF_ARCH, NCU_KERNEL and NCU_WORKLOAD set)
 #   cache    the cache as $OUT/tilelang-cache.tar.xz (carry it next time)
 # Results: $OUT/results.tar.xz (logs, bench JSON); the short tables are printed last.
 # Usage on the H200, repository root, carry [".offline-gpu"]:
@@ -110,20 +109,6 @@ if has profile; then
     echo "profile $arch: rc=$?"
   done
 fi
-if has ncu; then
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  if [ -n "$NCU" ]; then
-    FLASH_QLA_PROOF_ARCH=${NCU_ARCH-sm120} timeout "$(cap 150)" "$NCU" \
-      --kernel-name "regex:${NCU_KERNEL:-chunk_bwd_intra_split}" --launch-count 1 \
-      --section WarpStateStats --section SchedulerStats --section LaunchStats \
-      --section Occupancy --section MemoryWorkloadAnalysis --section SpeedOfLight \
-      python3 profile/profile_gdr.py --shapes "${NCU_SHAPE:-16/32@seqs=5000+3000+2500+2000+2384+1500}" \
-      --peers none --iters 1 --out "$R/ncu-profile" > "$R/ncu.txt" 2>&1
-    echo "ncu: rc=$?"
-  else
-    echo "no ncu on this host" > "$R/ncu.txt"
-  fi
-fi
 if has cache; then
   tar cJf "$OUT/tilelang-cache.tar.xz" -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
 fi
@@ -152,5 +137,4 @@ PY
 for f in "$R"/profile-*/*.md; do   # per-kernel shares of the backward, then the summary
   [ -f "$f" ] && { echo "== $f"; grep -E "^\| (ours|config)|chunk_|group_sum|^## " "$f" | cut -c1-150 | head -60; }
 done
-[ -f "$R/ncu.txt" ] && grep -E "Duration|Registers Per|Achieved Occ|Theoretical Occ|Block Limit|Memory Throughput|DRAM Throughput|Compute \(SM\)|Warp Cycles Per Issued|No Eligible|Dynamic Shared" "$R/ncu.txt" | head -30
 for stage in compile sm100 sm120 sm90; do [ -n "${STATUS[$stage]:-}" ] && echo "$stage: ${STATUS[$stage]}"; done
