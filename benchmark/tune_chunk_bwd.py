@@ -47,7 +47,7 @@ def run_shape(shape, args):
     # SM90's kernels, or FLASH_QLA_PROOF_ARCH's proof build
     common = dict(arch=served_arch(), scale=scale, cu_seqlens=cu,
                   cu_seqlens_cpu=inp["cu_seqlens_cpu"])
-    p = pack(q, k, v, g_cumsum, beta, A, do, cu)
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu, arch=common["arch"])
     h = chunk_states(q, k, v, g_cumsum, beta, A, initial_state=h0, packed=p,
                      **common)                                       # in q's dtype
 

@@ -60,7 +60,7 @@ def run_shape(shape, args):
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "h0"))
     cu = inp["cu_seqlens_cpu"].to("cuda", torch.int32)
     Tt, Hv = q.shape[1], v.shape[2]
-    layout = layout_for(q, cu)
+    layout = layout_for(q, cu, served_arch())
     scale = 128 ** -0.5
     ref_g, ref_A, ref_o, _, ref_s = flash_qla.chunk_gated_delta_rule_fwd(
         q.float(), k.float(), v.float(), g, beta.float(), scale=scale, initial_state=h0,

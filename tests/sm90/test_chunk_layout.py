@@ -60,3 +60,55 @@ def test_static_layout_is_kept_per_token_count_and_never_replaced():
     in_graph = static_layout(cu, 768, capturing=True)
     assert static_layout(cu, 768, capturing=False) is not in_graph
     assert first.num_chunks_max < padded.num_chunks_max
+
+
+def _device_cases():
+    """Offsets for the device kernels: the CPU cases, no sequence at all, more sequences
+    than the layout kernel's threads (empty ones among them), one long sequence."""
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 200, (1500,), generator=gen)
+    lens[::7] = 0
+    many = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).tolist()
+    return {**CU_SEQLENS, "none": [0], "many": many, "long": [0, 100_000]}
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("pad", [0, 7])
+@pytest.mark.parametrize("cu", _device_cases().values(), ids=_device_cases().keys())
+def test_layout_kernel_matches_the_host_formula(cu, pad):
+    """``chunk_layout_kernel`` (one launch) builds the layout the torch formula builds on
+    the host, for the arch the GPU tests serve (SM90, or a proof build)."""
+    from flash_qla_sm90.arch import served_arch
+
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    host = varlen_layout.__wrapped__(cu_t, cu[-1] + pad)
+    device = varlen_layout.__wrapped__(cu_t.cuda(), cu[-1] + pad, served_arch())
+    assert device.num_chunks_max == host.num_chunks_max
+    assert torch.equal(device.chunk_offsets.cpu(), host.chunk_offsets)
+    assert torch.equal(device.chunk_idx.cpu(), host.chunk_idx)
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("end", [0, 1, 37, 100])
+def test_padding_rows_are_zeroed_on_the_device(dtype, end):
+    """Device offsets only (``cu_seqlens_cpu`` None): ``zero_padding`` zeroes every
+    token's row from ``cu_seqlens[-1]`` on (``zero_tail_kernel``) along the token
+    dimension given, and leaves the real tokens' rows as they were; the allocator's
+    outputs get those zeros."""
+    from flash_qla_sm90.arch import served_arch
+    from flash_qla_tl.layout import output_alloc, padding_start, zero_padding
+
+    Tt, arch = 100, served_arch()
+    cu = torch.tensor([0, end // 2, end], dtype=torch.int32, device="cuda")
+    layout = varlen_layout.__wrapped__(cu, Tt, arch)
+    assert padding_start(layout, None, Tt) == -1
+    assert padding_start(layout, cu.cpu(), Tt) == (None if end == Tt else end)
+    alloc = output_alloc(layout, None, Tt, arch=arch)
+    for shape, token_dim in (((Tt, 3, 128), 0), ((2, Tt, 4, 128), 1), ((Tt, 5), 0)):
+        x = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+        zero_padding(x, -1, layout, arch=arch, token_dim=token_dim)
+        assert bool((x.narrow(token_dim, end, Tt - end) == 0).all()), (shape, end)
+        assert bool(x.narrow(token_dim, 0, end).isnan().all()), (shape, end)
+        y = alloc(*shape, dtype=dtype, device=torch.device("cuda"), token_dim=token_dim)
+        assert bool((y.narrow(token_dim, end, Tt - end) == 0).all()), (shape, end)

@@ -112,7 +112,7 @@ def test_kernels_import_only_kernels():
 
 #: The package's layers, bottom up (``flash_qla_tl/__init__.py`` lists them): a module
 #: imports only modules of layers below its own (``kernels`` modules: also each other).
-LAYERS = ("arch", "kernels", "layout", "plan", "kernel_index", "launch", "forward", "backward",
+LAYERS = ("arch", "kernels", "kernel_index", "launch", "layout", "plan", "forward", "backward",
           "recurrent", "precompile", "backend")
 
 

@@ -10,10 +10,12 @@ The package, by role (each module imports only those above it):
 - ``arch``: :class:`~flash_qla_tl.arch.Arch`, the static traits of a target (no TileLang);
 - ``kernels/``: TileLang device code, one module per quantity computed (its
   ``__init__`` lists them), and ``traits``, the configuration shared by every arch;
-- ``layout``: shared host helpers (chunk layout, packing, dtype names, chunk counts);
+- ``kernel_index``, ``launch``: one launcher per compiled kernel configuration, loaded
+  from the kernel index where it has it;
+- ``layout``: shared host helpers (the chunk layout and padding zeros, which it
+  launches; packing, dtype names, chunk counts);
 - ``plan``: every per-call choice (state keeping, segment split, fused or two-kernel
   backward), returned with its reason;
-- ``launch``: one launcher per compiled kernel configuration;
 - ``forward``, ``backward``: the orchestrators that launch the kernels;
 - ``recurrent``: the token-by-token decode step (``flash_qla.recurrent``);
 - ``precompile``: the kernels a wheel ships compiled, and the shipped cache;

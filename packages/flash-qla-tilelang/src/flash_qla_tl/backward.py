@@ -40,13 +40,13 @@ from .layout import (
     DTYPE_NAMES,
     ChunkLayout,
     layout_for,
+    output_alloc,
     packed,
     sm_count,
     state_rows,
     static_flags,
     total_chunks,
     walk_args,
-    zero_padding_rows,
 )
 
 
@@ -76,13 +76,14 @@ class Packed(NamedTuple):
     layout: ChunkLayout
 
 
-def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static: bool = False) -> Packed:
+def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, *, arch: Arch,
+         static: bool = False) -> Packed:
     """:class:`Packed` from ``Kernels.bwd``'s ``[B, T, ...]`` tensors (``v`` or ``do``
-    None: a launch that does not read it). ``static``: ``cu_seqlens`` never changes
-    (``layout.layout_for``)."""
+    None: a launch that does not read it); the layout built by ``arch``'s kernel.
+    ``static``: ``cu_seqlens`` never changes (``layout.layout_for``)."""
     return Packed(packed(q), packed(k), None if v is None else packed(v),
                   packed(g_cumsum, torch.float32), packed(beta, torch.float32), packed(A),
-                  None if do is None else packed(do), layout_for(q, cu_seqlens, static))
+                  None if do is None else packed(do), layout_for(q, cu_seqlens, arch, static))
 
 
 def chunk_states(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state, cu_seqlens,
@@ -91,7 +92,7 @@ def chunk_states(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state
     forward's saved g_cumsum and A by the forward's kernel (o skipped). ``walks``: the
     bounded split's forward walk rule (``flash_qla.segments.WalkStarts``; ``cu_seqlens``
     the segments). ``packed``: the same inputs already packed (:func:`pack`)."""
-    p = packed or pack(q, k, v, g_cumsum, beta, A, None, cu_seqlens)
+    p = packed or pack(q, k, v, g_cumsum, beta, A, None, cu_seqlens, arch=arch)
     return state_output(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, arch=arch,
                         scale=scale,
                         initial_state=initial_state, alloc=torch.empty,
@@ -110,7 +111,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqle
     fused kernel's start states. ``packed``: the same inputs already packed
     (:func:`pack`)."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
-    p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens)
+    p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens, arch=arch)
     layout = p.layout
     warmup = ends is not None
     if boundary and not warmup:
@@ -139,20 +140,25 @@ def gradient_kernel(arch: Arch):
     return chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
 
 
-def grad_buffers(q, v, num_chunks: int, cu_seqlens, cu_seqlens_cpu) -> tuple:
+def grad_buffers(q, v, num_chunks: int, layout: ChunkLayout, cu_seqlens_cpu, *,
+                 arch: Arch) -> tuple:
     """The outputs the gradient kernels write (``chunk_bwd_intra``, ``chunk_bwd_fused``)
     for ``Kernels.bwd``'s q ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]``: dq, dk
     ``[G, Tt, Hk, K]`` per value head, group-major (hv = hk * G + g at ``[g, :, hk]``),
-    dv ``[Tt, Hv, V]``, all in q's dtype; dbeta, dg ``[Tt, Hv]`` fp32. Zeroed where some
-    rows stay unwritten (padding tokens after ``cu_seqlens[-1]``, or no chunk at all)."""
+    dv ``[Tt, Hv, V]``, all in q's dtype; dbeta, dg ``[Tt, Hv]`` fp32. The rows of
+    padding tokens (after ``cu_seqlens[-1]``: ``layout.output_alloc``) are zeroed, every
+    row where no chunk at all is written."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
     Tt, dt = B * T, q.dtype
-    zero = num_chunks == 0 or zero_padding_rows(cu_seqlens, cu_seqlens_cpu, Tt)
-    alloc = torch.zeros if zero else torch.empty
+    if num_chunks == 0:
+        def alloc(*shape, dtype, device, token_dim=0):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+    else:
+        alloc = output_alloc(layout, cu_seqlens_cpu, Tt, arch=arch)
     G = Hv // Hk
-    return (alloc(G, Tt, Hk, K, dtype=dt, device=q.device),
-            alloc(G, Tt, Hk, K, dtype=dt, device=q.device),
+    return (alloc(G, Tt, Hk, K, dtype=dt, device=q.device, token_dim=1),
+            alloc(G, Tt, Hk, K, dtype=dt, device=q.device, token_dim=1),
             alloc(Tt, Hv, V, dtype=dt, device=q.device),
             alloc(Tt, Hv, dtype=torch.float32, device=q.device),
             alloc(Tt, Hv, dtype=torch.float32, device=q.device))
@@ -207,9 +213,9 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, arch: Arch, scale, cu
     Hv, K, V = v.shape[2], q.shape[-1], v.shape[-1]
     dt = q.dtype
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
-                       cu_seqlens)
+                       cu_seqlens, arch=arch)
     NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, p.layout, cu_seqlens_cpu, arch=arch)
     if NT > 0:
         launcher(gradient_kernel(arch), arch, DTYPE_NAMES[dt], K, V)(
             p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
@@ -248,13 +254,13 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu
         raise ValueError(f"fused_grads: h must be in q's dtype {q.dtype}, got {h.dtype}")
     dt = q.dtype
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
-                       cu_seqlens)
+                       cu_seqlens, arch=arch)
     N = p.layout.num_seqs
     if dht is not None and dht.shape[0] < N:
         raise ValueError(f"fused_grads: dht needs a row per sequence, [{N}, Hv, K, V]; "
                          f"got {tuple(dht.shape)}")
     NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, cu_seqlens, cu_seqlens_cpu)
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, p.layout, cu_seqlens_cpu, arch=arch)
     dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
     launcher(chunk_bwd_fused_kernel, arch, DTYPE_NAMES[dt], K, V, has_dht)(
@@ -275,7 +281,7 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale, initial
     reverse kernel (True) or the two kernels (False); None: :func:`plan.fused_backward`
     decides, where ``arch.fused_backward`` allows the fused kernel."""
     common = dict(arch=arch, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens)
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, arch=arch)
     if fused is None:
         hint = None if cu_seqlens is None or cu_seqlens_cpu is not None else \
             kept_offsets(cu_seqlens)                   # a capture's eager warm-up, if any
@@ -308,7 +314,8 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale,
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment ``[Nseg, Hv, K, V]``
     (None without an initial state)."""
     common = dict(arch=arch, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, static=True)   # segment offsets
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, arch=arch,
+             static=True)                                        # segment offsets
     if fused is None:
         fused = arch.fused_backward and plan.fused_backward(
             p.layout, cu_seqlens_cpu, v.shape[2], sm_count(q.device)).value

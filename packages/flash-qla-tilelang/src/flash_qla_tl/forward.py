@@ -92,8 +92,8 @@ def _prepare(arch: Arch, q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool
     A [Tt, Hv, C])`` (packed) for the recurrence. ``static``: see
     :func:`layout.layout_for`."""
     B, T = q.shape[:2]
-    layout = layout_for(q, cu_seqlens, static)
-    alloc = output_alloc(cu_seqlens, cu_seqlens_cpu, B * T)
+    layout = layout_for(q, cu_seqlens, arch, static)
+    alloc = output_alloc(layout, cu_seqlens_cpu, B * T, arch=arch)
     k_p, beta_p = packed(k), packed(beta, torch.float32)         # [Tt, Hk, K], [Tt, Hv]
     Tt, Hv = beta_p.shape
     g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
@@ -148,12 +148,12 @@ def prepared_fwd(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state
     (g_cumsum ``[B,T,Hv]`` fp32 and A ``[B,T,Hv,C]`` as :func:`chunk_fwd` returned them
     for the same tokens and chunk boundaries; the exact segment split's passes).
     Returns (o, h, final_state)."""
+    layout = layout_for(q, cu_seqlens, arch)
     return _outputs(
         q, packed(k), v, packed(g_cumsum, torch.float32), packed(beta, torch.float32),
-        packed(A), layout_for(q, cu_seqlens),
-        output_alloc(cu_seqlens, cu_seqlens_cpu, q.shape[0] * q.shape[1]), arch=arch,
-        scale=scale,
-        initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
+        packed(A), layout, output_alloc(layout, cu_seqlens_cpu, q.shape[0] * q.shape[1],
+                                        arch=arch),
+        arch=arch, scale=scale, initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
         output_final_state=output_final_state, output_h=output_h)
 
 

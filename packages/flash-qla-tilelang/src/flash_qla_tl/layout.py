@@ -14,6 +14,7 @@ launches, chunk counts, the SM count.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,10 @@ import torch
 from flash_qla.utils import cast, tensor_cache
 from flash_qla.validation import is_capturing
 
+from .arch import Arch
+from .kernels import chunk_layout_kernel, zero_tail_kernel
 from .kernels.traits import CHUNK
+from .launch import launcher
 
 #: torch dtype -> the dtype name the kernel builders take.
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -39,14 +43,31 @@ class ChunkLayout:
     num_chunks: int | None        # the real number, when known on the host (dense)
 
 
-def _build(cu_seqlens: torch.Tensor, num_tokens: int, num_chunks: int | None = None) -> ChunkLayout:
-    cu = cu_seqlens.to(torch.int32)
+def _build(cu_seqlens: torch.Tensor, num_tokens: int, arch: Arch | None,
+           num_chunks: int | None = None) -> ChunkLayout:
+    """The layout of ``cu_seqlens`` for ``num_tokens`` tokens: on a CUDA device one
+    launch of ``chunk_layout_kernel`` built for ``arch`` (no host sync; a CUDA graph
+    records that one launch), on the host (``arch`` None, or CPU offsets: the planner's
+    and host path's tests) :func:`_build_on_host`, the same formula in torch ops."""
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    n = cu.numel() - 1
+    nt_max = max(1, -(-num_tokens // CHUNK) + n)
+    if arch is None or not cu.is_cuda:
+        return _build_on_host(cu, nt_max, num_chunks)
+    offsets = torch.empty(n + 1, dtype=torch.int32, device=cu.device)        # [N+1]
+    chunk_idx = torch.empty(nt_max, 2, dtype=torch.int32, device=cu.device)  # [NTmax, 2]
+    launcher(chunk_layout_kernel, arch)(cu, offsets, chunk_idx)
+    return ChunkLayout(cu, offsets, chunk_idx, n, nt_max, num_chunks)
+
+
+def _build_on_host(cu: torch.Tensor, nt_max: int, num_chunks: int | None) -> ChunkLayout:
+    """:func:`_build` in torch ops (~15 of them, each a launch on a device): chunk
+    counts, their cumsum, and a search of each grid row's sequence."""
     n = cu.numel() - 1
     lens = cu[1:] - cu[:-1]                                          # [N]
     chunks = (lens + CHUNK - 1) // CHUNK                             # [N]
     offsets = torch.zeros(n + 1, dtype=torch.int32, device=cu.device)
     offsets[1:] = torch.cumsum(chunks, 0)                            # [N+1]
-    nt_max = max(1, -(-num_tokens // CHUNK) + n)
     idx = torch.arange(nt_max, dtype=torch.int32, device=cu.device)  # [NTmax]
     seq = torch.searchsorted(offsets[1:], idx, right=True).clamp_(max=max(n - 1, 0))
     live = idx < offsets[-1]
@@ -57,16 +78,33 @@ def _build(cu_seqlens: torch.Tensor, num_tokens: int, num_chunks: int | None = N
 
 
 @tensor_cache
-def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
-    """Layout for packed sequences (cached while the same cu_seqlens tensor is passed)."""
-    return _build(cu_seqlens, num_tokens)
+def varlen_layout(cu_seqlens: torch.Tensor, num_tokens: int,
+                  arch: Arch | None = None) -> ChunkLayout:
+    """Layout for packed sequences (cached while the same cu_seqlens tensor is passed;
+    ``arch``: see :func:`_build`)."""
+    return _build(cu_seqlens, num_tokens, arch)
 
 
 @functools.lru_cache(maxsize=64)
-def dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
+def dense_layout(batch: int, seq_len: int, device: torch.device,
+                 arch: Arch | None = None) -> ChunkLayout:
     """Layout for B sequences of length T (the 64 most recent shapes are cached)."""
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
-    return _build(cu, batch * seq_len, num_chunks=batch * -(-seq_len // CHUNK))
+    return _build(dense_offsets(batch, seq_len, device), batch * seq_len, arch,
+                  num_chunks=batch * -(-seq_len // CHUNK))
+
+
+def dense_offsets(batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """``[B + 1]`` int32 offsets of B sequences of length T; outside a CUDA-graph capture
+    the 64 most recent shapes' are cached (a tensor made while capturing is filled only
+    when the graph replays, so it is never cached)."""
+    if is_capturing(device):
+        return _dense_offsets.__wrapped__(batch, seq_len, device)
+    return _dense_offsets(batch, seq_len, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_offsets(batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
 
 
 #: Attribute of a static offsets tensor: ``{num_tokens: layout}``, only ever added to
@@ -74,20 +112,20 @@ def dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
 _KEPT = "_flash_qla_chunk_layouts"
 
 
-def static_layout(cu_seqlens: torch.Tensor, num_tokens: int, capturing: bool) -> ChunkLayout:
+def static_layout(cu_seqlens: torch.Tensor, num_tokens: int, capturing: bool,
+                  arch: Arch | None = None) -> ChunkLayout:
     """Layout for offsets that never change once made: a split's segment offsets
     (``flash_qla.segments``, whose plan keeps them, for the process's life once a graph
     captured them). Built outside any capture and kept on the tensor itself, one per
     token count (a dense input and a padded varlen one can share a plan), so a capture
-    reuses it instead of recording the ~15 index kernels of :func:`_build` into the graph
-    (+34 us per replay of a bounded forward, docs/perf-notes.md v16). Inside a capture,
+    reuses it instead of recording :func:`_build`'s launch into the graph. Inside a capture,
     with no layout kept for the count, it is built uncached: its tensors are the graph's,
     filled only when it replays, so nothing outside the graph may see them. (A plan
     first built inside a capture never reaches an eager call: ``segments._plan_for``.)"""
     kept = getattr(cu_seqlens, _KEPT, None)
     if kept is not None and num_tokens in kept:
         return kept[num_tokens]
-    layout = _build(cu_seqlens, num_tokens)
+    layout = _build(cu_seqlens, num_tokens, arch)
     if not capturing:
         if kept is None:
             kept = {}
@@ -96,20 +134,22 @@ def static_layout(cu_seqlens: torch.Tensor, num_tokens: int, capturing: bool) ->
     return layout
 
 
-def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
+def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None, arch: Arch,
                static: bool = False) -> ChunkLayout:
     """The call's chunk layout; cached in eager mode, rebuilt inside a CUDA-graph capture
     (the graph then recomputes it from the live ``cu_seqlens`` at every replay, and no
     cache entry points into the graph's memory). ``static``: ``cu_seqlens`` never
     changes (a split's segment offsets): one layout built outside any capture serves
-    every call and capture (:func:`static_layout`)."""
+    every call and capture (:func:`static_layout`). ``arch``: the arch whose
+    ``chunk_layout_kernel`` builds it on a device."""
     B, T = q.shape[:2]
     if static and cu_seqlens is not None:
-        return static_layout(cu_seqlens, B * T, is_capturing(q.device))
+        return static_layout(cu_seqlens, B * T, is_capturing(q.device), arch)
     dense, varlen = dense_layout, varlen_layout
     if is_capturing(q.device):
         dense, varlen = dense.__wrapped__, varlen.__wrapped__        # uncached builders
-    return dense(B, T, q.device) if cu_seqlens is None else varlen(cu_seqlens, B * T)
+    return dense(B, T, q.device, arch) if cu_seqlens is None else varlen(cu_seqlens, B * T,
+                                                                         arch)
 
 
 def packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -128,20 +168,48 @@ def static_flags(*flags: bool) -> tuple[bool, ...]:
     return flags
 
 
-def zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens: int) -> bool:
-    """Whether outputs need zero-init: tokens after cu_seqlens[-1] belong to no sequence."""
-    if cu_seqlens is None:
-        return False
+def padding_start(layout: ChunkLayout, cu_seqlens_cpu, num_tokens: int) -> int | None:
+    """Where the call's padding tokens (after ``cu_seqlens[-1]``, in no sequence) start:
+    None when there are none (dense, or host offsets ending at the last token), the first
+    one from host offsets, or -1 when only the device knows (its offsets are read by
+    ``zero_tail_kernel``, no host sync)."""
+    if layout.num_chunks is not None:                         # dense: no padding
+        return None
     if cu_seqlens_cpu is not None:
-        return int(cu_seqlens_cpu[-1]) < num_tokens
-    return True          # unknown without a host sync: zero-init
+        end = int(cu_seqlens_cpu[-1])
+        return None if end >= num_tokens else end
+    return -1
 
 
-def output_alloc(cu_seqlens, cu_seqlens_cpu, num_tokens: int):
-    """torch.zeros where tokens past ``cu_seqlens[-1]`` (padding) get outputs, else
-    torch.empty."""
-    padded = zero_padding_rows(cu_seqlens, cu_seqlens_cpu, num_tokens)
-    return torch.zeros if padded else torch.empty
+def output_alloc(layout: ChunkLayout, cu_seqlens_cpu, num_tokens: int, *, arch: Arch):
+    """The allocator of the outputs the kernels write only at real tokens:
+    ``alloc(*shape, dtype, device, token_dim=0)`` (``num_tokens`` along ``token_dim``),
+    torch.empty with the rows of the padding tokens zeroed (:func:`zero_padding`), never
+    a memset of the whole output."""
+    start = padding_start(layout, cu_seqlens_cpu, num_tokens)
+
+    def alloc(*shape, dtype, device, token_dim: int = 0):
+        x = torch.empty(*shape, dtype=dtype, device=device)
+        if start is not None:
+            zero_padding(x, start, layout, arch=arch, token_dim=token_dim)
+        return x
+
+    return alloc
+
+
+def zero_padding(x: torch.Tensor, start: int, layout: ChunkLayout, *, arch: Arch,
+                 token_dim: int = 0) -> None:
+    """Zero, in place, the rows of ``x``'s dimension ``token_dim`` (its tokens) from
+    ``start`` on (:func:`padding_start`): one fill of those rows, or with ``start`` -1
+    ``zero_tail_kernel`` (from ``layout.cu_seqlens[-1]`` on, read on the device). ``x``
+    contiguous, rows a whole number of 4-byte words (any output of ours)."""
+    tokens = x.shape[token_dim]
+    if start >= 0:
+        x.narrow(token_dim, start, tokens - start).zero_()
+    elif x.numel():
+        words = x.view(torch.int32)
+        launcher(zero_tail_kernel, arch)(
+            words.view(math.prod(x.shape[:token_dim]), tokens, -1), layout.cu_seqlens)
 
 
 def state_rows(arch) -> int:

@@ -26,9 +26,11 @@ from .kernels import (
     chunk_bwd_dh_ws_kernel,
     chunk_bwd_fused_kernel,
     chunk_fwd_ws_kernel,
+    chunk_layout_kernel,
     chunk_prepare_blocked_kernel,
     group_sum_kernel,
     recurrent_step_kernel,
+    zero_tail_kernel,
 )
 from .kernels.traits import DTYPES, HEAD_DIMS
 from .recurrent import step_args
@@ -79,14 +81,17 @@ SWEEP_FLAGS = (
 
 
 def variants(arch: Arch):
-    """Every (builder, static args) the backend launches on ``arch``, per dtype and head
-    dims (the args start with ``arch``): the prepare, the forward's variants
+    """Every (builder, static args) the backend launches on ``arch`` (the args start
+    with ``arch``): the chunk layout and padding zeros of varlen calls, then per dtype
+    and head dims the prepare, the forward's variants
     (:data:`FWD_FLAGS`) x initial state, the forward on a state pool
     (:data:`POOL_DTYPES` x both layouts), the sweep's (:data:`SWEEP_FLAGS`) x dht, the
     per-chunk gradient kernel, the GVA sum, the fused reverse kernel x dht (where
     ``arch.fused_backward``; else also no boundary sweep, which only feeds it), and the
     decode steps (:func:`_decode_variants`).
     ``tests/sm90/test_host_path.py`` checks that the host path launches nothing else."""
+    yield chunk_layout_kernel, (arch,)
+    yield zero_tail_kernel, (arch,)
     for dtype in DTYPES:
         for K, V in HEAD_DIMS:
             yield from _chunked_variants(arch, dtype, K, V)

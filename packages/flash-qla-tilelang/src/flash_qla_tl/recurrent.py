@@ -9,7 +9,7 @@ import torch
 from .arch import Arch
 from .kernels import recurrent_step_kernel
 from .launch import launcher
-from .layout import DTYPE_NAMES, POOL_DTYPE_NAMES, dense_layout, packed
+from .layout import DTYPE_NAMES, POOL_DTYPE_NAMES, dense_offsets, packed
 
 
 def step_args(dtype: str, K: int, V: int, has_h0: bool, state_dtype: str = "float32",
@@ -31,9 +31,7 @@ def recurrent_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seql
     B, T, _, K = q.shape
     Hv, V = v.shape[2:]
     device = q.device
-    # the dense offsets come from the chunk layout's cache (B rows of T tokens)
-    cu = dense_layout(B, T, device).cu_seqlens if cu_seqlens is None else cu_seqlens.to(
-        torch.int32)
+    cu = dense_offsets(B, T, device) if cu_seqlens is None else cu_seqlens.to(torch.int32)
     N = cu.numel() - 1
     state_dims = (V, K) if v_first else (K, V)
     if state_indices is not None:

@@ -23,6 +23,8 @@ kernel index (``flash_qla_tl.kernel_index``) never imports TileLang's front end.
 - ``group_sum``: the GVA sum of the per-value-head dq, dk (``group_sum_kernel``);
 - ``recurrent_step``: the token-by-token recurrence for decode and speculative verify,
   states read from and written to a pool by slot (``recurrent_step_kernel``);
+- ``chunk_layout``: the chunk layout of a varlen call and the zeros of its padding
+  tokens, from the device offsets (``chunk_layout_kernel``, ``zero_tail_kernel``);
 - ``tile_ops``: tile steps the kernels share (TileLang macros); ``traits``: the static
   configuration every compiled kernel is keyed on.
 
@@ -75,6 +77,8 @@ class Builder:
         return f"Builder({self.index_name})"
 
 
+chunk_layout_kernel = Builder("chunk_layout", "chunk_layout_kernel")
+zero_tail_kernel = Builder("chunk_layout", "zero_tail_kernel")
 chunk_prepare_blocked_kernel = Builder("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel")
 chunk_fwd_ws_kernel = Builder("chunk_state_output", "chunk_fwd_ws_kernel")
 chunk_bwd_dh_ws_kernel = Builder("chunk_state_grad", "chunk_bwd_dh_ws_kernel")
