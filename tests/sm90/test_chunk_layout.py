@@ -105,7 +105,7 @@ def test_padding_rows_are_zeroed_on_the_device(dtype, end):
     assert padding_start(layout, None, Tt) == -1
     assert padding_start(layout, cu.cpu(), Tt) == (None if end == Tt else end)
     alloc = output_alloc(layout, None, Tt, arch=arch)
-    for shape, token_dim in (((Tt, 3, 128), 0), ((2, Tt, 4, 128), 1), ((Tt, 5), 0)):
+    for shape, token_dim in (((Tt, 3, 128), 0), ((2, Tt, 4, 128), 1), ((Tt, 6), 0)):
         x = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
         zero_padding(x, -1, layout, arch=arch, token_dim=token_dim)
         assert bool((x.narrow(token_dim, end, Tt - end) == 0).all()), (shape, end)
