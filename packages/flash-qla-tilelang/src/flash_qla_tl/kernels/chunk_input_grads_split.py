@@ -157,9 +157,15 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     if part > 0:
                         base = g_cumsum[t0 - 1, hh]
 
+                    # every load of the sub-chunk's tiles and of the first half in
+                    # flight at once (one wait for all of them)
                     T.async_copy(q[t0:t0 + SC, hk, :], q_s)
                     T.async_copy(k[t0:t0 + SC, hk, :], k_s)
                     T.copy(A[t0:t0 + SC, hh, col:col + SC], a_s)
+                    T.async_copy(v[t0:t0 + SC, hh, 0:BV], v_s)
+                    T.async_copy(do[t0:t0 + SC, hh, 0:BV], do_s)
+                    T.async_copy(h[srow, hh, :, 0:BV], s0_s)
+                    T.async_copy(dS1[srow, hh, :, 0:BV], ds1_s)
                     for i in T.Parallel(SC):
                         gam_f[i] = (g_cumsum[t0 + T.min(i, rows - 1), hh] - base) * LOG2E
                         beta_f[i] = T.if_then_else(i < rows, beta[t0 + i, hh], 0.0)
@@ -172,6 +178,8 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     zero_rows_past(q_s, rows)
                     zero_rows_past(k_s, rows)
                     zero_rows_past(a_s, rows)
+                    zero_rows_past(v_s, rows)
+                    zero_rows_past(do_s, rows)
                     T.sync_threads()
 
                     # ---- P, Ag, G (masked to j <= i < rows)
@@ -196,16 +204,17 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
 
                     for half in T.serial(2):
                         j0 = half * BV
-                        T.sync_threads()                 # the previous half's tiles read
-                        T.async_copy(v[t0:t0 + SC, hh, j0:j0 + BV], v_s)
-                        T.async_copy(do[t0:t0 + SC, hh, j0:j0 + BV], do_s)
-                        T.async_copy(h[srow, hh, :, j0:j0 + BV], s0_s)
-                        T.async_copy(dS1[srow, hh, :, j0:j0 + BV], ds1_s)
-                        T.ptx_wait_group(0)
-                        T.sync_threads()
-                        zero_rows_past(v_s, rows)
-                        zero_rows_past(do_s, rows)
-                        T.sync_threads()
+                        if half > 0:                     # the first half's came above
+                            T.sync_threads()             # the previous half's tiles read
+                            T.async_copy(v[t0:t0 + SC, hh, j0:j0 + BV], v_s)
+                            T.async_copy(do[t0:t0 + SC, hh, j0:j0 + BV], do_s)
+                            T.async_copy(h[srow, hh, :, j0:j0 + BV], s0_s)
+                            T.async_copy(dS1[srow, hh, :, j0:j0 + BV], ds1_s)
+                            T.ptx_wait_group(0)
+                            T.sync_threads()
+                            zero_rows_past(v_s, rows)
+                            zero_rows_past(do_s, rows)
+                            T.sync_threads()
 
                         # ---- forward recompute: K S0, X, U; <dO, Q S0>
                         T.gemm(k_s, s0_s, ks0, clear_accum=True)                     # K S0
