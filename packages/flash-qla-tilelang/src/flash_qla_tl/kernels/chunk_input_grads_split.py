@@ -150,7 +150,9 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     gv = T.alloc_var("int32", init=hh - hk * NG)
                     srow = T.alloc_var("int32",
                                        init=(chunk_offsets[seq] + cis) * SUBS + part)
-                    col = T.alloc_var("int32", init=part * SC)     # A's diagonal block
+                    # A's diagonal block: a column expression (not a var), which lets
+                    # its load go by cp.async with the others
+                    col = (sub % SUBS) * SC
                     # the chunk cumsum at the sub-chunk's last token before it (0 at a
                     # chunk start): the sub-chunk's own cumsum is g_cumsum - base
                     base = T.alloc_var(f32, init=0.0)
@@ -161,7 +163,7 @@ def chunk_bwd_intra_split_kernel(arch: Arch, dtype: str, K: int, V: int):
                     # flight at once (one wait for all of them)
                     T.async_copy(q[t0:t0 + SC, hk, :], q_s)
                     T.async_copy(k[t0:t0 + SC, hk, :], k_s)
-                    T.copy(A[t0:t0 + SC, hh, col:col + SC], a_s)
+                    T.async_copy(A[t0:t0 + SC, hh, col:col + SC], a_s)
                     T.async_copy(v[t0:t0 + SC, hh, 0:BV], v_s)
                     T.async_copy(do[t0:t0 + SC, hh, 0:BV], do_s)
                     T.async_copy(h[srow, hh, :, 0:BV], s0_s)
