@@ -5,10 +5,13 @@ Every kernel works on the packed token layout ``[Tt, H, D]`` (dense ``[B, T]`` i
 B sequences of length T; :func:`packed`). A chunk never straddles two sequences, so the
 chunk list depends on ``cu_seqlens``. Its length is only known on the device; the grids
 use the upper bound ``ceil(Tt / C) + N`` and mark the unused rows with -1, which keeps
-the path free of host syncs (:class:`ChunkLayout`); under CUDA-graph capture the caches
-below are bypassed (:func:`layout_for`), except for offsets that never change
-(:func:`static_layout`). The rest: dtype names, static flags and placeholders of the
-launches, chunk counts, the SM count.
+the path free of host syncs (:class:`ChunkLayout`, built on a device by one launch of
+``chunk_layout_kernel``); under CUDA-graph capture the caches below are bypassed
+(:func:`layout_for`), except for offsets that never change (:func:`static_layout`).
+Outputs are written at real tokens only; the rows of padding tokens (after
+``cu_seqlens[-1]``) are zeroed by :func:`output_alloc`, on the device when only the
+device knows where they start. The rest: dtype names, static flags and placeholders of
+the launches, chunk counts, the SM count.
 """
 
 from __future__ import annotations
