@@ -152,8 +152,9 @@ def query_devices() -> DeviceQuery:
             from cuda import cuda as driver  # cuda-python < 12.6
         except ImportError:
             query = _query_ctypes()
-            query.notes.append("cuda-python (the supported query) is not installed: "
-                               + INFO_EXTRA_HINT)
+            if query.problem is None:     # a driver to ask: the supported query helps
+                query.notes.append("cuda-python (the supported query) is not installed: "
+                                   + INFO_EXTRA_HINT)
             return query
     return _query_cuda_python(driver)
 

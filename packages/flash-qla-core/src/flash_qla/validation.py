@@ -310,7 +310,7 @@ def check_gate_params(
             if x is not None:
                 raise ValueError(
                     f"{name} is only used with use_gate_in_kernel=True; got "
-                    f"use_gate_in_kernel=False and a {name} tensor"
+                    f"use_gate_in_kernel=False and {name} given"
                 )
         return
     if A_log is None:
