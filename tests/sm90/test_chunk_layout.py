@@ -72,9 +72,12 @@ def _device_cases():
     return {**CU_SEQLENS, "none": [0], "many": many, "long": [0, 100_000]}
 
 
+DEVICE_CU_SEQLENS = _device_cases()
+
+
 @pytest.mark.sm90
 @pytest.mark.parametrize("pad", [0, 7])
-@pytest.mark.parametrize("cu", _device_cases().values(), ids=_device_cases().keys())
+@pytest.mark.parametrize("cu", DEVICE_CU_SEQLENS.values(), ids=DEVICE_CU_SEQLENS.keys())
 def test_layout_kernel_matches_the_host_formula(cu, pad):
     """``chunk_layout_kernel`` (one launch) builds the layout the torch formula builds on
     the host, for the arch the GPU tests serve (SM90, or a proof build)."""

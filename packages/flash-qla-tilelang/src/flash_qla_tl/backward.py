@@ -140,22 +140,18 @@ def gradient_kernel(arch: Arch):
     return chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
 
 
-def grad_buffers(q, v, num_chunks: int, layout: ChunkLayout, cu_seqlens_cpu, *,
-                 arch: Arch) -> tuple:
+def grad_buffers(q, v, layout: ChunkLayout, cu_seqlens_cpu, *, arch: Arch) -> tuple:
     """The outputs the gradient kernels write (``chunk_bwd_intra``, ``chunk_bwd_fused``)
     for ``Kernels.bwd``'s q ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]``: dq, dk
     ``[G, Tt, Hk, K]`` per value head, group-major (hv = hk * G + g at ``[g, :, hk]``),
     dv ``[Tt, Hv, V]``, all in q's dtype; dbeta, dg ``[Tt, Hv]`` fp32. The rows of
-    padding tokens (after ``cu_seqlens[-1]``: ``layout.output_alloc``) are zeroed, every
-    row where no chunk at all is written."""
+    padding tokens (after ``cu_seqlens[-1]``: ``layout.output_alloc``) are zeroed: every
+    row of a call without a chunk (all its sequences empty, so ``cu_seqlens[-1]`` is
+    0)."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
     Tt, dt = B * T, q.dtype
-    if num_chunks == 0:
-        def alloc(*shape, dtype, device, token_dim=0):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-    else:
-        alloc = output_alloc(layout, cu_seqlens_cpu, Tt, arch=arch)
+    alloc = output_alloc(layout, cu_seqlens_cpu, Tt, arch=arch)
     G = Hv // Hk
     return (alloc(G, Tt, Hk, K, dtype=dt, device=q.device, token_dim=1),
             alloc(G, Tt, Hk, K, dtype=dt, device=q.device, token_dim=1),
@@ -215,7 +211,7 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, arch: Arch, scale, cu
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
                        cu_seqlens, arch=arch)
     NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, p.layout, cu_seqlens_cpu, arch=arch)
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, p.layout, cu_seqlens_cpu, arch=arch)
     if NT > 0:
         launcher(gradient_kernel(arch), arch, DTYPE_NAMES[dt], K, V)(
             p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
@@ -260,7 +256,7 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu
         raise ValueError(f"fused_grads: dht needs a row per sequence, [{N}, Hv, K, V]; "
                          f"got {tuple(dht.shape)}")
     NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, NT, p.layout, cu_seqlens_cpu, arch=arch)
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, p.layout, cu_seqlens_cpu, arch=arch)
     dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
     launcher(chunk_bwd_fused_kernel, arch, DTYPE_NAMES[dt], K, V, has_dht)(
