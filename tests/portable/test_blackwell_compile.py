@@ -188,3 +188,28 @@ def test_fused_kernel_reduces_across_warps_in_its_intra_role_only():
     blocks = re.split(r"tl::warpgroup_reg_(?:alloc|dealloc)<\d+>", src)
     cross_warp = [len(re.findall(r"AllReduce<tl::SumOp, (?:64|128),", b)) for b in blocks]
     assert sum(cross_warp) == cross_warp[1], cross_warp                       # intra only
+
+
+#: SM120 / SM121: 100 KB of shared memory per SM, 1 KB of it reserved per resident CTA
+SM120_SMEM_PER_SM = 100 * 1024
+SM120_RESERVED_PER_CTA = 1024
+
+
+@pytest.mark.parametrize("arch_name", ["sm120", "sm121"])
+def test_sm120_gradient_kernel_fits_two_ctas_per_sm(arch_name, tmp_path):
+    """``chunk_bwd_intra_split`` is built for two CTAs per SM (a chain of short steps
+    whose latencies the other CTA's warps hide): its launch bounds ask for two, and two
+    fit the SM's shared memory and registers (<= 128 a thread at 256 threads) without
+    spilling."""
+    from flash_qla_tl.kernels.chunk_input_grads_split import CTAS_PER_SM
+
+    index = next(i for i, (b, _) in enumerate(_variants(arch_name))
+                 if b.__name__ == "chunk_bwd_intra_split_kernel")
+    _, _, art = _lowered(arch_name, index)
+    src = art.kernel_source
+    assert CTAS_PER_SM == 2 and f"__launch_bounds__(256, {CTAS_PER_SM})" in src
+    report = ptxas_report(src, tmp_path, ARCHES[arch_name].target)
+    smem = lowered_dynamic_smem(art) + static_smem(report)
+    assert CTAS_PER_SM * (smem + SM120_RESERVED_PER_CTA) <= SM120_SMEM_PER_SM, smem
+    (regs,) = map(int, re.findall(r"Used (\d+) registers", report))
+    assert regs * 256 * CTAS_PER_SM <= 65536 and spill_bytes(report) == 0, report[-600:]

@@ -16,11 +16,11 @@ from flash_qla_tl.arch import SMEM_SM120, Arch
 #: is the diagonal block of its chunk's A, its gates rebased: docs/blackwell-plan.md,
 #: 0.5): three slots take 88,064 B (SM90's 64-token tiles would take ~197 KB). The
 #: backward's states (h, dS1) have a row per sub-chunk (``flash_qla_tl.layout.state_rows``
-#: 2), and its gradient kernel works per sub-chunk with S0 and dS1 split over V
-#: (``chunk_input_grads_split``: ~80 KB); no fused backward (its single CTA holds the
-#: state pair and every tile). mma.sync, column sums by transposed products and scalar
-#: reductions as SM100's, the prepare's launch bound at 3 CTAs per SM (6 x 25 KB would
-#: not fit 100 KB), no setmaxnreg budgets fitted.
+#: 2), and its gradient kernel works per sub-chunk with S0 and dS1 in four column
+#: blocks over V (``chunk_input_grads_split``: 47 KB, two CTAs per SM); no fused
+#: backward (its single CTA holds the state pair and every tile). mma.sync, column
+#: sums by transposed products and scalar reductions as SM100's, the prepare's launch
+#: bound at 3 CTAs per SM (6 x 25 KB would not fit 100 KB), no setmaxnreg budgets fitted.
 SM120 = Arch(
     name="sm120",
     target="sm_120a",
