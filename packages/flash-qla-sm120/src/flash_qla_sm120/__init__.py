@@ -4,9 +4,9 @@ This module is what the ``flash_qla.backends`` entry point ``sm120`` points at; 
 imports neither TileLang nor the kernels. The kernels are ``flash_qla_tl``'s, built for
 ``arch.SM120`` / ``arch.SM121`` within 99 KB of shared memory per block: the chunked
 prefill's forward and backward on 32-token sub-chunks (varlen, states, state pools, the
-bounded segment split; the gradient kernel takes S0 and dS1 in halves over V, and there
-is no fused backward) and the token-by-token decode step (``flash_qla.recurrent``)
-(docs/blackwell-plan.md, step 6).
+bounded segment split; the gradient kernel takes S0 and dS1 in four column blocks over
+V, two CTAs per SM, and there is no fused backward) and the token-by-token decode step
+(``flash_qla.recurrent``) (docs/blackwell-plan.md, step 6).
 
 - ``arch``: the arches, by compute capability;
 - ``precompile``: the shipped kernel cache (``kernel_cache/``) and the command that
