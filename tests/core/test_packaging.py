@@ -218,6 +218,20 @@ def test_info_maps_gpus_to_backends_and_fixes():
     assert "cuda:2 (8.0): no FlashQLA kernel package serves compute capability 8.0" in text
 
 
+def test_info_flags_a_backend_variable_naming_no_backend(monkeypatch):
+    """FLASH_QLA_BACKEND naming nothing installed: said in the environment table, status 1
+    (every CUDA call would raise); a real backend's name passes."""
+    query = DeviceQuery(method="test", driver_cuda=(13, 0))
+    monkeypatch.setenv("FLASH_QLA_BACKEND", "bogus")
+    text, status = report(query=query)
+    assert status == 1
+    assert re.search(r"FLASH_QLA_BACKEND\s+bogus  -- no such backend here \(installed: torch",
+                     text), text
+    monkeypatch.setenv("FLASH_QLA_BACKEND", "torch")
+    text, status = report(query=query)
+    assert status == 0 and re.search(r"FLASH_QLA_BACKEND\s+torch\n", text), text
+
+
 def test_info_flags_an_old_driver():
     text, _ = report(query=DeviceQuery(method="test", driver_cuda=(12, 4)))
     assert "driver supports CUDA 12.4  -- too old: FlashQLA needs CUDA >= 12.8" in text

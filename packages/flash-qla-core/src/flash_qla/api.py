@@ -470,7 +470,7 @@ def chunk_gated_delta_rule(
     dt_bias with the in-kernel gate).
 
     Args:
-        q, k: ``[B, T, Hk, K]``, one dtype among bf16/fp16/fp32 (fp64 on the ``torch``
+        q, k: ``[B, T, Hk, K]``, bf16 or fp16 (also fp32 and fp64 on the ``torch``
             backend, for reference use).
         v: ``[B, T, Hv, V]``, q's dtype; ``Hv`` a multiple of ``Hk`` (GVA).
         g: ``[B, T, Hv]`` fp32 or bf16 (fp64 on ``torch``): per-token natural-log decay

@@ -188,7 +188,8 @@ def report(*, verbose: bool = False, query: DeviceQuery | None = None) -> tuple[
     """The text of ``python -m flash_qla info`` and its exit status.
 
     The status is 1 when a kernel package is installed but unusable (failed to import,
-    or written for another kernel API), else 0.
+    or written for another kernel API) or ``FLASH_QLA_BACKEND`` names no installed
+    backend, else 0.
     """
     status = 0
     out: list[str] = []
@@ -199,17 +200,23 @@ def report(*, verbose: bool = False, query: DeviceQuery | None = None) -> tuple[
     out.append("Environment")
     tilelang = _dist_version("tilelang")
     cuda_python = _cuda_python_version()
+    specs, failures = dispatch.discover()
+    specs = {s.name: s for s in sorted(specs.values(),
+                                       key=lambda s: (s.capabilities != (), s.capabilities))}
+    forced = os.environ.get(dispatch.ENV_VAR, "").strip()
+    if forced and forced not in specs:
+        status = 1
+        broken = any(failure.name == forced for failure in failures)
+        forced += ("  -- that package failed to import (below)" if broken else
+                   f"  -- no such backend here (installed: {', '.join(specs)}): every "
+                   "CUDA call would raise ValueError")
     out.extend(_table([
         ["Python", f"{platform.python_version()} ({sys.executable})"],
         ["torch", _torch_line()],
         ["TileLang", tilelang or "not installed (the kernel packages install it)"],
         ["cuda-python", cuda_python or f"not installed; {INFO_EXTRA_HINT}"],
-        [dispatch.ENV_VAR, os.environ.get(dispatch.ENV_VAR) or "(unset: pick by GPU)"],
+        [dispatch.ENV_VAR, forced or "(unset: pick by GPU)"],
     ]))
-
-    specs, failures = dispatch.discover()
-    specs = {s.name: s for s in sorted(specs.values(),
-                                       key=lambda s: (s.capabilities != (), s.capabilities))}
     query = query if query is not None else query_devices()
     out.append("")
     out.append(f"GPUs (asked through {query.method}; torch.cuda not initialised)")

@@ -87,8 +87,8 @@ def fused_recurrent_gated_delta_rule(
     Raises:
         TypeError, ValueError: as :func:`flash_qla.chunk_gated_delta_rule`, and for
             ``state_indices`` / the pool. NotImplementedError: ``gk``, ``gv``,
-            ``allow_neg_eigval``, or inputs that require grad (train with
-            :func:`flash_qla.chunk_gated_delta_rule`).
+            ``allow_neg_eigval``, or a call autograd would record (grad mode on and an
+            input requiring grad; train with :func:`flash_qla.chunk_gated_delta_rule`).
     """
     for name, kind, x in (("gk", "per-key", gk), ("gv", "per-value", gv)):
         if x is not None:
