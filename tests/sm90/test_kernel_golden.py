@@ -2,7 +2,8 @@
 ``flash_qla_tl`` (``golden/sm90_kernel_sha256.json``: sha256 of the lowered CUDA text of
 every ``precompile.variants()`` entry for sm_90a, taken on the tree before the move (the
 state-pool variants: when they merged, after it; the decode kernel's: after it took the
-prefill's pool dtypes and layouts and beta as given, with its padding rows written),
+prefill's pool dtypes and layouts and beta as given, with its padding rows written; the
+prepare's: after its gate cumsum moved to the threads idle during the substitutions),
 reduction workspaces renamed as ``tests.kernel_build.normalised`` does):
 moving the kernels and threading :class:`flash_qla_tl.arch.Arch` through them changes
 no Hopper kernel (hence no cache entry and no measured figure). Lowering only (TileLang,

@@ -8,7 +8,8 @@ For each chunk (rows i, j in [0, C)) and value head (gdn-math.md, "Chunked form"
 
 A depends only on k and beta, so no exponent of the gate enters it. One CTA of 128
 threads per (chunk, value head): K K^T on the tensor cores (WGMMA on Hopper, mma.sync on
-Blackwell: ``T.gemm`` picks by target), the cumsum by one thread per row, and the inverse
+Blackwell: ``T.gemm`` picks by target), the cumsum by one thread per row (the 64 threads
+that do not run the substitutions below, while they do), and the inverse
 blocked (``chunk_prepare_blocked_kernel``'s docstring): 16 x 16 diagonal blocks by
 substitution in fp32, the rest as four fp16 tensor-core products. Rows past the end
 of a sequence act as k = beta = 0 and are not written.
@@ -123,12 +124,6 @@ def chunk_prepare_blocked_kernel(arch: Arch, dtype: str, K: int):
 
                 tx = T.get_thread_binding()
                 if tx < C:
-                    # chunk-local cumsum of the gate, row tx
-                    acc[0] = 0.0
-                    for m in T.unroll(C):
-                        acc[0] += T.if_then_else(m <= tx, g_shared[m], 0.0)
-                    if tx < rows:
-                        g_cumsum[t0 + tx, h] = acc[0]
                     # column tx % B of diagonal block tx // B of D, right-looking
                     # substitution: d[r] -= N[r, m] d[m] once d[m] is final
                     blk = tx // B * B
@@ -139,6 +134,14 @@ def chunk_prepare_blocked_kernel(arch: Arch, dtype: str, K: int):
                             d_col[m + 1 + r] -= nd_shared[blk + m + 1 + r, m] * d_col[m]
                     for i in T.unroll(B):
                         d_shared[blk + i, tx] = T.cast(d_col[i], f16)
+                else:
+                    # meanwhile the other C threads: the chunk-local cumsum of the gate,
+                    # row tx - C
+                    acc[0] = 0.0
+                    for m in T.unroll(C):
+                        acc[0] += T.if_then_else(m <= tx - C, g_shared[m], 0.0)
+                    if tx - C < rows:
+                        g_cumsum[t0 + tx - C, h] = acc[0]
 
                 T.gemm(d_shared, no_shared, acc_frag, clear_accum=True)           # M = D N_o
                 for i, j in T.Parallel(C, C):
