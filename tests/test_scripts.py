@@ -660,3 +660,30 @@ def test_benchmark_serve_grid_on_cpu(tmp_path):
     assert all(r["status"] == "ok" and r["eager_ms"] > 0 for r in ours), ours
     assert {r["impl"] for r in data["results"]} == {"ours", "fla", "flashinfer"}
     assert "serving grid" in (tmp_path / "cpu-serve.md").read_text()
+
+
+@needs_ours
+def test_host_proxy_counts_one_calls_launches_and_ops():
+    """tools/host_proxy.py (the sm90 host path on meta tensors, launches counted): a
+    dense training step takes the split's kernels once each (prepare, forward, the dh
+    boundary sweep, the fused backward, two GVA sums), a varlen inference forward the
+    prepare and the forward; both report a host time and their aten ops."""
+    pytest.importorskip("tilelang", reason="TileLang is not installed")
+    pytest.importorskip("flash_qla_sm90", reason="flash-qla-sm90 is not installed")
+    tool = os.path.join(REPO, "tools", "host_proxy.py")
+    p = _run([tool, "--shapes", "8/16@4x4096", "--dense-batch", "--iters", "3"], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    row = next(line for line in p.stdout.splitlines() if "8/16 4x4096 dense" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "step" and float(cells[2]) > 0 and cells[3] == "6", cells
+    assert cells[4] == ("chunk_bwd_dh_ws_kernel 1, chunk_bwd_fused_kernel 1, "
+                        "chunk_fwd_ws_kernel 1, chunk_prepare_blocked_kernel 1, "
+                        "group_sum_kernel 2"), cells
+    assert int(cells[5]) > 0, cells
+    p = _run([tool, "--shapes", "2/4@seqs=100+37+300", "--mode", "inference", "--iters", "3"],
+             timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    row = next(line for line in p.stdout.splitlines() if "2/4 seqs=100+37+300" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:2] == ["inference"] and cells[4] == (
+        "chunk_fwd_ws_kernel 1, chunk_prepare_blocked_kernel 1"), cells
