@@ -14,7 +14,7 @@ from flash_qla_tl.arch import SMEM_SM90, Arch, proof
 #: H200 / H100 (sm_90a): WGMMA chains, the setmaxnreg budgets fitted on the H200
 #: (``chunk_fwd_ws``: 256 x 208 + 128 x 88 <= 384 x 168, the launch allocation; the
 #: sweep's 192 / 120; the fused reverse kernel's four roles, <= 4 x 128), six prepare
-#: CTAs per SM (its launch bound: 6 -> 80 registers, 16 bytes spilled; uncapped it takes
+#: CTAs per SM (its launch bound: 6 -> 80 registers, 24 bytes spilled; uncapped it takes
 #: 113, at 8 it spills 108 bytes; ptxas, sm_90a, bf16. On the H200, 16/16 1x32768 /
 #: 4/16 1x32768 / 16/32 8x4096, ms: 6 CTAs 0.128 / 0.126 / 0.251, uncapped 0.143 /
 #: 0.140 / 0.274, 8 CTAs 0.138 / 0.139 / 0.275), column sums by ``T.reduce_sum(dim=0)``.
