@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
@@ -177,8 +176,8 @@ def main() -> None:
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile_top)
             print(f"== {rows[-1][0]}: {args.iters} calls\n{out.getvalue()}")
-    print(tabulate(rows, headers=["shape", "call", "host us", "launches", "kernels",
-                                  "aten ops", "most issued"], tablefmt="github"))
+    print(C.format_table(rows, ["shape", "call", "host us", "launches", "kernels",
+                                "aten ops", "most issued"]))
 
 
 if __name__ == "__main__":
