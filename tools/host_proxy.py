@@ -40,8 +40,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmark"))
 import common as C  # noqa: E402
 
-#: the modules of ``flash_qla_tl`` that launch kernels (their ``launcher`` is replaced)
-_LAUNCHING = ("forward", "backward", "layout", "recurrent")
+#: the modules of ``flash_qla_tl`` whose ``launcher`` (kernel launches) and ``sm_count``
+#: (the planner's waves) are replaced, where they have them
+_PATCHED = ("forward", "backward", "layout", "recurrent", "backend")
+
+#: the host copy of each meta ``cu_seqlens`` this tool made (id -> CPU tensor)
+_HOST_OFFSETS: dict[int, torch.Tensor] = {}
 
 
 class _Counter(TorchDispatchMode):
@@ -65,7 +69,7 @@ def install(sms: int) -> collections.Counter:
     import flash_qla.offsets as offsets
     from flash_qla_sm90 import BACKEND
     from flash_qla_sm90.arch import SM90
-    from flash_qla_tl import backend, layout
+    from flash_qla_tl import backend
 
     launches = collections.Counter()
 
@@ -73,22 +77,16 @@ def install(sms: int) -> collections.Counter:
         name = getattr(builder, "__name__", repr(builder))
         return lambda *args: launches.update([name])
 
-    for name in _LAUNCHING:
+    for name in _PATCHED:
         module = importlib.import_module(f"flash_qla_tl.{name}")
         if hasattr(module, "launcher"):
             module.launcher = launcher
-    layout.sm_count.cache_clear()
-    for module in (layout, backend, importlib.import_module("flash_qla_tl.backward")):
         if hasattr(module, "sm_count"):
             module.sm_count = lambda device: sms
     kernels = backend.TileLangKernels(SM90)
     dispatch.get_kernels = lambda device, **kw: (BACKEND, kernels)
     offsets._copy_to_host = lambda cu: _HOST_OFFSETS[id(cu)]
     return launches
-
-
-#: the host copy of each meta ``cu_seqlens`` this tool made (id -> CPU tensor)
-_HOST_OFFSETS: dict[int, torch.Tensor] = {}
 
 
 def _inputs(shape: C.Shape, dense: bool):

@@ -202,14 +202,16 @@ def test_sm120_gradient_kernel_fits_two_ctas_per_sm(arch_name, tmp_path):
     fit the SM's shared memory and registers (<= 128 a thread at 256 threads) without
     spilling."""
     from flash_qla_tl.kernels.chunk_input_grads_split import CTAS_PER_SM
+    from flash_qla_tl.kernels.traits import GRAD_THREADS
 
     index = next(i for i, (b, _) in enumerate(_variants(arch_name))
                  if b.__name__ == "chunk_bwd_intra_split_kernel")
     _, _, art = _lowered(arch_name, index)
     src = art.kernel_source
-    assert CTAS_PER_SM == 2 and f"__launch_bounds__(256, {CTAS_PER_SM})" in src
+    assert CTAS_PER_SM == 2 and f"__launch_bounds__({GRAD_THREADS}, {CTAS_PER_SM})" in src
     report = ptxas_report(src, tmp_path, ARCHES[arch_name].target)
     smem = lowered_dynamic_smem(art) + static_smem(report)
     assert CTAS_PER_SM * (smem + SM120_RESERVED_PER_CTA) <= SM120_SMEM_PER_SM, smem
     (regs,) = map(int, re.findall(r"Used (\d+) registers", report))
-    assert regs * 256 * CTAS_PER_SM <= 65536 and spill_bytes(report) == 0, report[-600:]
+    assert regs * GRAD_THREADS * CTAS_PER_SM <= 65536 and spill_bytes(report) == 0, \
+        report[-600:]
