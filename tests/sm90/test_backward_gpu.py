@@ -76,6 +76,7 @@ BOUNDED_BWD_CASES = [
     (Case(1, 4096, 4, 4, gate="strong"), 512),
     (_varlen([3000, 7, 300, 1200], 2, 4, gate="zero"), 1024),  # walks to the ends
     (_varlen([0, 3000, 64, 1], 1, 2, pad=3), 512),
+    (Case(1, 5000, 2, 4), 960),                            # 15 chunks, T % 64 != 0
 ]
 
 

@@ -265,7 +265,8 @@ BOUNDED_CASES = [
     (Case(1, 4096, 4, 4, gate="strong"), 512),
     (_varlen([6000, 7, 300, 1200], 2, 4, gate="zero"), 1024),
     (_varlen([0, 3000, 64, 1], 1, 2, pad=3), 512),
-]
+    (Case(1, 5000, 2, 4), 960),             # 15 chunks: the planner's even cuts are no
+]                                           # power of two
 
 
 @pytest.mark.parametrize("bound", [2.0 ** -9, 0.25], ids=["default", "loose"])

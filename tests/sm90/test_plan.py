@@ -61,12 +61,15 @@ def test_exact_split_declined(bounds, Hv):
     ([0, 32768], 64, 16384),                    # 64 pairs -> 128 CTAs
     ([0, 16384], 8, 1024),
     ([0, 8192], 8, 512),                        # 16 x 8 = 128 CTAs
-    ([0, 60000, 60007, 60307], 4, 2048),        # 30 + 1 + 1 segments x 4
+    ([0, 60000, 60007, 60307], 4, 1984),        # 31 chunks: 31 + 1 + 1 segments x 4
+    ([0, 24576], 64, 12288),                    # two even segments, not 16384 + 8192
+    ([0, 20000], 16, 2560),                     # 40 chunks: 8 segments x 16 heads
     ([b * 8192 for b in range(5)], 16, 4096),   # 64 pairs -> 128 CTAs
 ])
 def test_bounded_split_fills_one_wave(bounds, Hv, seg):
-    """The bounded split's plan: the shortest segment length whose segments x Hv CTAs
-    fit one wave of 132 SMs, for few (sequence, head) pairs."""
+    """The bounded split's plan: the shortest segment (whole chunks) whose segments x Hv
+    CTAs fit one wave of 132 SMs, for few (sequence, head) pairs: a sequence is cut
+    evenly, not into powers of two and a remainder."""
     choice = plan.segment_len(bounds, Hv, SMS, bounded=True)
     assert choice.value == seg, choice
 

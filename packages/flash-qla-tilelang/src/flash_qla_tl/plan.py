@@ -60,15 +60,18 @@ SEGMENT_FIXED_US = 730.0
 SEGMENT_MIN_GAIN = 0.05
 
 #: The bounded segment split (one pass of ``chunk_state_output`` with warm-up walks;
-#: ``flash_qla.segments.warmup_fwd``): the lengths tried, shortest first. The planner
-#: takes the shortest whose segments x Hv CTAs fit one wave (one CTA per SM), so its
-#: worst case, gates that never decay to the bound (every walk back to its sequence
-#: start), costs about the unsplit pass; and only when its predicted time beats the
-#: unsplit forward's by ``SEGMENT_MIN_GAIN``: ``(segment chunks + WARMUP_CHUNKS)`` chunk
-#: steps + the prepare, but at least ``WARMUP_HOST_US``, the host time of an eager
-#: bounded-split call (measured GPU-bound at 0.24-0.55 ms on five 1x32768 rows against
-#: graph replays of 0.21-0.58: the host floor is at most ~250 us).
-WARMUP_SEGMENT_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+#: ``flash_qla.segments.warmup_fwd``): the planner takes the shortest segment, a whole
+#: number of chunks and at least ``WARMUP_MIN_SEGMENT`` tokens, whose segments x Hv CTAs
+#: fit one wave (one CTA per SM), so its worst case, gates that never decay to the bound
+#: (every walk back to its sequence start), costs about the unsplit pass; and only when
+#: its predicted time beats the unsplit forward's by ``SEGMENT_MIN_GAIN``: ``(segment
+#: chunks + WARMUP_CHUNKS)`` chunk steps + the prepare, but at least ``WARMUP_HOST_US``,
+#: the host time of an eager bounded-split call (measured GPU-bound at 0.24-0.55 ms on
+#: five 1x32768 rows against graph replays of 0.21-0.58: the host floor is at most ~250
+#: us). The shortest such segment divides a sequence evenly: one 24k-token sequence at 64
+#: heads takes two segments of 12288 tokens (192 chunks per CTA), where lengths restricted
+#: to powers of two took 16384 + 8192 (256 chunks on the critical path).
+WARMUP_MIN_SEGMENT = 512
 #: A typical walk at the benchmark's 'model' gates (Qwen3-Next init: the slowest heads
 #: need ~4000 tokens to decay to 2^-9, most far fewer), in chunks.
 WARMUP_CHUNKS = 16
@@ -191,29 +194,36 @@ def _segment_len(bounds: tuple[int, ...], Hv: int, sm_count: int, bounded: bool)
 
 def plan_bounded(lens: list[int], Hv: int, sm_count: int,
                  host_us: float = WARMUP_HOST_US) -> Choice:
-    """The bounded split's segment length (``WARMUP_SEGMENT_LENS``), or None: the
-    shortest whose segments x Hv CTAs fit one wave, if its predicted time (at least
-    ``host_us``) beats the unsplit forward's by ``SEGMENT_MIN_GAIN``."""
+    """The bounded split's segment length in tokens, or None: the shortest whole number
+    of chunks (at least ``WARMUP_MIN_SEGMENT`` tokens) whose segments x Hv CTAs fit one
+    wave of ``sm_count``, if its predicted time (at least ``host_us``) beats the unsplit
+    forward's by ``SEGMENT_MIN_GAIN``. The CTA count falls as the segment grows, so the
+    shortest one is found by bisection over the chunk count."""
     longest = max(lens, default=0)
-    if longest <= min(WARMUP_SEGMENT_LENS):
-        return Choice(None, f"longest sequence {longest} <= {min(WARMUP_SEGMENT_LENS)} "
+    if longest <= WARMUP_MIN_SEGMENT:
+        return Choice(None, f"longest sequence {longest} <= {WARMUP_MIN_SEGMENT} "
                             "tokens: nothing to split")
     if len(lens) * Hv >= sm_count:
         return Choice(None, f"{len(lens)} sequences x {Hv} heads fill the {sm_count} SMs")
+    chunks = chunks_of(lens)
+
+    def ctas(seg: int) -> int:                  # seg in chunks
+        return sum(-(-n // seg) for n in chunks) * Hv
+
+    lo, hi = WARMUP_MIN_SEGMENT // CHUNK, max(chunks)     # ctas(hi) = len * Hv < SMs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if ctas(mid) > sm_count else (lo, mid)
+    if lo >= max(chunks):
+        return Choice(None, f"no segment shorter than {longest} tokens fits one wave")
+    seg = lo * CHUNK
     unsplit = predicted_fwd_us(lens, Hv, sm_count)
-    for seg in WARMUP_SEGMENT_LENS:
-        if seg >= longest:
-            return Choice(None, f"no segment length below {longest} tokens fits one wave")
-        ctas = sum(-(-n // seg) for n in lens if n > 0) * Hv
-        if ctas > sm_count:
-            continue                                      # more than one wave
-        us = max(bounded_gpu_us(lens, Hv, seg), host_us)  # an eager call's host floor
-        if us < unsplit * (1 - SEGMENT_MIN_GAIN):
-            return Choice(seg, f"{ctas} CTAs fit one wave: predicted {us:.0f} us against "
-                               f"{unsplit:.0f} unsplit")
-        return Choice(None, f"segments of {seg} predicted {us:.0f} us against "
-                            f"{unsplit:.0f} unsplit: less than {SEGMENT_MIN_GAIN:.0%} gain")
-    return Choice(None, "no segment length fits one wave")
+    us = max(bounded_gpu_us(lens, Hv, seg), host_us)      # an eager call's host floor
+    if us < unsplit * (1 - SEGMENT_MIN_GAIN):
+        return Choice(seg, f"{ctas(lo)} CTAs fit one wave: predicted {us:.0f} us against "
+                           f"{unsplit:.0f} unsplit")
+    return Choice(None, f"segments of {seg} predicted {us:.0f} us against {unsplit:.0f} "
+                        f"unsplit: less than {SEGMENT_MIN_GAIN:.0%} gain")
 
 
 def plan_exact(lens: list[int], Hv: int, sm_count: int) -> Choice:
