@@ -177,3 +177,28 @@ def test_static_flags_drop_trailing_false():
     assert static_flags(False, False) == ()
     assert static_flags(True, False) == (True,)
     assert static_flags(False, True) == (False, True)
+
+
+@pytest.mark.parametrize("lens, Hv, seg", [
+    ([16000] + [1000] * 8, 32, 5888),           # 250 chunks against a spread of 92
+    ([16000] + [1000] * 8, 16, 2944),
+    ([5000, 3000, 2500, 2000, 2384, 1500], 32, None),   # 79 chunks, spread 63: whole
+    ([2048] * 64, 32, None),                    # none longer than the spread
+], ids=["dominant-32h", "dominant-16h", "six-comparable", "uniform"])
+def test_multi_wave_split_only_for_a_dominant_sequence(lens, Hv, seg):
+    """Where the (sequence, head) CTAs outnumber the SMs, only a sequence whose chain
+    outlasts Graham's bound of the split is cut, into segments of the spread."""
+    choice = plan.plan_bounded(lens, Hv, SMS)
+    assert choice.value == seg, choice
+    if seg is not None:
+        assert seg % 64 == 0 and seg < max(lens)
+
+
+def test_captured_guess_is_not_split_when_the_grid_is_full():
+    """A capture's guess of the lengths (one sequence with nearly every token, N - 1 of
+    one token) splits nothing once N x Hv fills the GPU: a replay's real batch is
+    likely many short sequences."""
+    N, Tt = 64, 16384
+    guess = [0, *range(Tt - N + 1, Tt + 1)]
+    assert plan.segment_len(guess, 32, SMS, bounded=True).value is not None
+    assert plan.segment_len(guess, 32, SMS, bounded=True, lengths_known=False).value is None

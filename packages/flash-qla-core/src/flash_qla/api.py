@@ -287,7 +287,8 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
                             v.shape[3], q.device, bounded=True)
             N, Tt = cu_seqlens.numel() - 1, B * T      # N known, lengths not
             longest = [0, *range(max(Tt - N + 1, 0), Tt + 1)]   # one long, N - 1 of 1 token
-            return plan(longest, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=True)
+            return plan(longest, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=True,
+                        lengths_known=False)
     elif cu_seqlens is not None and cu_seqlens_cpu is None:
         return None
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)               # [N+1], no sync

@@ -174,37 +174,51 @@ def exact_passes_us(lens: list[int], Hv: int, sm_count: int, seg: int) -> float:
 
 # ---- the segment split ----------------------------------------------------------------
 
-def segment_len(bounds, Hv: int, sm_count: int, bounded: bool = False) -> Choice:
+def segment_len(bounds, Hv: int, sm_count: int, bounded: bool = False,
+                lengths_known: bool = True) -> Choice:
     """The automatic segment split of a call (``Kernels.plan_segment_len``): the segment
     length, or None (no split). ``bounds``: host sequence offsets ``[N + 1]``;
     ``bounded``: for the one-pass bounded split (:func:`plan_bounded`), else for the
-    exact one (:func:`plan_exact`). Cached per argument values: a training loop or a
-    server repeats the same lengths, and an eager call's host time is the bounded
-    split's floor (the planner costs ~50 us of Python, the cache key ~1)."""
-    return _segment_len(tuple(bounds), Hv, sm_count, bounded)
+    exact one (:func:`plan_exact`); ``lengths_known`` False: ``bounds`` is a capture's
+    guess (one sequence holding nearly every token), not the lengths a replay will see.
+    Cached per argument values: a training loop or a server repeats the same lengths,
+    and an eager call's host time is the bounded split's floor (the planner costs ~50 us
+    of Python, the cache key ~1)."""
+    return _segment_len(tuple(bounds), Hv, sm_count, bounded, lengths_known)
 
 
 @functools.lru_cache(maxsize=256)
-def _segment_len(bounds: tuple[int, ...], Hv: int, sm_count: int, bounded: bool) -> Choice:
+def _segment_len(bounds: tuple[int, ...], Hv: int, sm_count: int, bounded: bool,
+                 lengths_known: bool) -> Choice:
     lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    plan = plan_bounded if bounded else plan_exact
-    return _chosen("bounded segment split" if bounded else "exact segment split",
-                   plan(lens, Hv, sm_count))
+    choice = (plan_bounded(lens, Hv, sm_count, lengths_known=lengths_known) if bounded
+              else plan_exact(lens, Hv, sm_count))
+    return _chosen("bounded segment split" if bounded else "exact segment split", choice)
 
 
-def plan_bounded(lens: list[int], Hv: int, sm_count: int,
-                 host_us: float = WARMUP_HOST_US) -> Choice:
-    """The bounded split's segment length in tokens, or None: the shortest whole number
-    of chunks (at least ``WARMUP_MIN_SEGMENT`` tokens) whose segments x Hv CTAs fit one
-    wave of ``sm_count``, if its predicted time (at least ``host_us``) beats the unsplit
-    forward's by ``SEGMENT_MIN_GAIN``. The CTA count falls as the segment grows, so the
-    shortest one is found by bisection over the chunk count."""
+def plan_bounded(lens: list[int], Hv: int, sm_count: int, host_us: float = WARMUP_HOST_US,
+                 lengths_known: bool = True) -> Choice:
+    """The bounded split's segment length in tokens, or None.
+
+    Sequences x Hv below ``sm_count`` (one wave with room): the shortest whole number of
+    chunks (at least ``WARMUP_MIN_SEGMENT`` tokens) whose segments x Hv CTAs still fit
+    one wave, if its predicted time (at least ``host_us``) beats the unsplit forward's by
+    ``SEGMENT_MIN_GAIN``. The CTA count falls as the segment grows, so the shortest one
+    is found by bisection over the chunk count.
+
+    More CTAs than SMs (:func:`plan_dominant`): only where one sequence is so much
+    longer than the rest that its chain, not the GPU's total work, bounds the kernel,
+    and only with ``lengths_known`` (a capture's guess of one long sequence would split
+    every replay's batch of short ones)."""
     longest = max(lens, default=0)
     if longest <= WARMUP_MIN_SEGMENT:
         return Choice(None, f"longest sequence {longest} <= {WARMUP_MIN_SEGMENT} "
                             "tokens: nothing to split")
     if len(lens) * Hv >= sm_count:
-        return Choice(None, f"{len(lens)} sequences x {Hv} heads fill the {sm_count} SMs")
+        if not lengths_known:
+            return Choice(None, f"{len(lens)} sequences x {Hv} heads fill the {sm_count} "
+                                "SMs and the lengths of a replay are not known")
+        return plan_dominant(lens, Hv, sm_count)
     chunks = chunks_of(lens)
 
     def ctas(seg: int) -> int:                  # seg in chunks
@@ -224,6 +238,37 @@ def plan_bounded(lens: list[int], Hv: int, sm_count: int,
                            f"{unsplit:.0f} unsplit")
     return Choice(None, f"segments of {seg} predicted {us:.0f} us against {unsplit:.0f} "
                         f"unsplit: less than {SEGMENT_MIN_GAIN:.0%} gain")
+
+
+def plan_dominant(lens: list[int], Hv: int, sm_count: int) -> Choice:
+    """The bounded split of a batch whose (sequence, head) CTAs outnumber the SMs, or
+    None. Counted in chunk steps of one CTA: the work per SM if perfectly spread is
+    ``spread = chunks x Hv / SMs``; unsplit, the kernel takes at least
+    ``max(longest, spread)``. Split into segments of ``s = max(spread, WARMUP_MIN_SEGMENT
+    tokens)`` chunks (sequences no longer than that stay whole), the GPU's block
+    scheduler (CTAs in grid order, each to the first free SM) finishes within
+    ``spread' + s + WARMUP_CHUNKS`` (Graham's bound for list scheduling, ``spread'``
+    counting the warm-ups). The split is taken when that bound beats the unsplit floor
+    by ``SEGMENT_MIN_GAIN``: a sequence about twice as long as the spread or more, as one
+    long rollout among many short ones in an RL batch. The bound, not an estimate,
+    keeps batches of comparable lengths whole (six sequences of 1.5k-5k tokens at 32
+    heads: floor 79 steps, bound 144)."""
+    chunks = chunks_of(lens)
+    spread = sum(chunks) * Hv / sm_count
+    longest = max(chunks)
+    seg = max(-(-sum(chunks) * Hv // sm_count), WARMUP_MIN_SEGMENT // CHUNK)
+    if longest <= seg:
+        return Choice(None, f"{len(lens)} sequences x {Hv} heads fill the {sm_count} SMs "
+                            f"and none is longer than the spread ({spread:.0f} chunks)")
+    extra = sum(-(-n // seg) - 1 for n in chunks)         # segments that warm up
+    bound = (sum(chunks) + extra * WARMUP_CHUNKS) * Hv / sm_count + seg + WARMUP_CHUNKS
+    floor = max(longest, spread)
+    if bound < floor * (1 - SEGMENT_MIN_GAIN):
+        return Choice(seg * CHUNK, f"longest sequence {longest} chunks against a spread "
+                                   f"of {spread:.0f}: split bound {bound:.0f} steps")
+    return Choice(None, f"longest sequence {longest} chunks, spread {spread:.0f}: split "
+                        f"bound {bound:.0f} steps, not {SEGMENT_MIN_GAIN:.0%} under "
+                        f"{floor:.0f}")
 
 
 def plan_exact(lens: list[int], Hv: int, sm_count: int) -> Choice:
