@@ -201,4 +201,4 @@ def test_captured_guess_is_not_split_when_the_grid_is_full():
     N, Tt = 64, 16384
     guess = [0, *range(Tt - N + 1, Tt + 1)]
     assert plan.segment_len(guess, 32, SMS, bounded=True).value is not None
-    assert plan.segment_len(guess, 32, SMS, bounded=True, lengths_known=False).value is None
+    assert plan.segment_len(guess, 32, SMS, bounded=True, dominant=False).value is None

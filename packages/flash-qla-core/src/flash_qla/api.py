@@ -277,22 +277,28 @@ def _auto_segment_len(kernels, q: torch.Tensor, v: torch.Tensor, cu_seqlens, cu_
     if plan is None:
         return None
     B, T = q.shape[:2]
-    if validation.is_capturing(q.device):
+    capturing = validation.is_capturing(q.device)
+    # a captured varlen training step runs its backward unsplit (recomputing h), so a
+    # batch that fills the GPU gains nothing there from a split forward
+    # (passed only when False: a backend's planner may predate the keyword)
+    full = {} if not (capturing and cu_seqlens is not None and torch.is_grad_enabled()
+                      and (q.requires_grad or v.requires_grad)) else {"dominant": False}
+    if capturing:
         if not bounded or (cu_seqlens is not None and not searches_walks(kernels)):
             return None
         if cu_seqlens is not None and cu_seqlens_cpu is None:
             kept = offsets.kept_offsets(cu_seqlens)    # an eager call's read of this tensor
             if kept is not None:                       # (a warm-up): its lengths, no sync
                 return plan(host_bounds(B, T, cu_seqlens, kept), v.shape[2], q.shape[3],
-                            v.shape[3], q.device, bounded=True)
+                            v.shape[3], q.device, bounded=True, **full)
             N, Tt = cu_seqlens.numel() - 1, B * T      # N known, lengths not
             longest = [0, *range(max(Tt - N + 1, 0), Tt + 1)]   # one long, N - 1 of 1 token
             return plan(longest, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=True,
-                        lengths_known=False)
+                        dominant=False)
     elif cu_seqlens is not None and cu_seqlens_cpu is None:
         return None
     bounds = host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)               # [N+1], no sync
-    return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=bounded)
+    return plan(bounds, v.shape[2], q.shape[3], v.shape[3], q.device, bounded=bounded, **full)
 
 
 def _split_allowed(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> bool:

@@ -83,13 +83,15 @@ class Kernels(Protocol):
     # autograd Function converts beta to it once per training step (the forward and the
     # backward then receive it) instead of each pass converting its own copy. Only for
     # exact upcasts (bf16 / fp16 to fp32).
-    # Optional: ``plan_segment_len(bounds, Hv, K, V, device, bounded, lengths_known=True)
+    # Optional: ``plan_segment_len(bounds, Hv, K, V, device, bounded, dominant=True)
     # -> int | None``, the backend's automatic segment-parallelism choice from host
     # sequence offsets ``bounds`` ``[N + 1]`` (None: no split) for the bounded split
-    # (``bounded``) or the exact one. Backends without it never split on their own; the
-    # core asks with the lengths on the host, and inside a CUDA-graph capture of a
-    # varlen batch with a guess of them (one sequence holding nearly every token),
-    # ``lengths_known=False``.
+    # (``bounded``) or the exact one. ``dominant`` False: no split of a batch whose
+    # (sequence, head) pairs already fill the GPU (the core passes it for a capture's
+    # guess of the lengths, one sequence holding nearly every token, and for a captured
+    # varlen training step, whose backward runs unsplit). Backends without it never
+    # split on their own; the core asks with the lengths on the host, and inside a
+    # CUDA-graph capture of a varlen batch with a guess of them.
     # Optional: ``fwd_warmup(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
     # cu_seqlens_cpu, starts) -> (g_cumsum, A, o, final_state)``: the bounded segment
     # split in one pass (``flash_qla.segments.warmup_fwd``): ``cu_seqlens`` holds the

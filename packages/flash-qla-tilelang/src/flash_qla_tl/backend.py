@@ -86,9 +86,9 @@ class TileLangKernels:
                                        output_final_state=output_final_state,
                                        v_first=v_first)
 
-    def plan_segment_len(self, bounds, Hv, K, V, device, bounded=False, lengths_known=True):
+    def plan_segment_len(self, bounds, Hv, K, V, device, bounded=False, dominant=True):
         """``plan.segment_len`` (K = V = 128 on this backend: the dispatch checks)."""
-        return plan.segment_len(bounds, Hv, sm_count(device), bounded, lengths_known).value
+        return plan.segment_len(bounds, Hv, sm_count(device), bounded, dominant).value
 
 
 def load(arch: Arch, shipped: Path) -> TileLangKernels:

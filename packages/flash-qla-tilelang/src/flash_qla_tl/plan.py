@@ -175,29 +175,29 @@ def exact_passes_us(lens: list[int], Hv: int, sm_count: int, seg: int) -> float:
 # ---- the segment split ----------------------------------------------------------------
 
 def segment_len(bounds, Hv: int, sm_count: int, bounded: bool = False,
-                lengths_known: bool = True) -> Choice:
+                dominant: bool = True) -> Choice:
     """The automatic segment split of a call (``Kernels.plan_segment_len``): the segment
     length, or None (no split). ``bounds``: host sequence offsets ``[N + 1]``;
     ``bounded``: for the one-pass bounded split (:func:`plan_bounded`), else for the
-    exact one (:func:`plan_exact`); ``lengths_known`` False: ``bounds`` is a capture's
-    guess (one sequence holding nearly every token), not the lengths a replay will see.
+    exact one (:func:`plan_exact`); ``dominant`` False: a batch whose (sequence, head)
+    pairs fill the GPU is not split (:func:`plan_bounded`).
     Cached per argument values: a training loop or a server repeats the same lengths,
     and an eager call's host time is the bounded split's floor (the planner costs ~50 us
     of Python, the cache key ~1)."""
-    return _segment_len(tuple(bounds), Hv, sm_count, bounded, lengths_known)
+    return _segment_len(tuple(bounds), Hv, sm_count, bounded, dominant)
 
 
 @functools.lru_cache(maxsize=256)
 def _segment_len(bounds: tuple[int, ...], Hv: int, sm_count: int, bounded: bool,
-                 lengths_known: bool) -> Choice:
+                 dominant: bool) -> Choice:
     lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    choice = (plan_bounded(lens, Hv, sm_count, lengths_known=lengths_known) if bounded
+    choice = (plan_bounded(lens, Hv, sm_count, dominant=dominant) if bounded
               else plan_exact(lens, Hv, sm_count))
     return _chosen("bounded segment split" if bounded else "exact segment split", choice)
 
 
 def plan_bounded(lens: list[int], Hv: int, sm_count: int, host_us: float = WARMUP_HOST_US,
-                 lengths_known: bool = True) -> Choice:
+                 dominant: bool = True) -> Choice:
     """The bounded split's segment length in tokens, or None.
 
     Sequences x Hv below ``sm_count`` (one wave with room): the shortest whole number of
@@ -208,16 +208,17 @@ def plan_bounded(lens: list[int], Hv: int, sm_count: int, host_us: float = WARMU
 
     More CTAs than SMs (:func:`plan_dominant`): only where one sequence is so much
     longer than the rest that its chain, not the GPU's total work, bounds the kernel,
-    and only with ``lengths_known`` (a capture's guess of one long sequence would split
-    every replay's batch of short ones)."""
+    and only with ``dominant`` (the core clears it for a capture's guess of one long
+    sequence, which would split every replay's batch of short ones, and for a captured
+    varlen training step, whose backward runs unsplit and recomputes h)."""
     longest = max(lens, default=0)
     if longest <= WARMUP_MIN_SEGMENT:
         return Choice(None, f"longest sequence {longest} <= {WARMUP_MIN_SEGMENT} "
                             "tokens: nothing to split")
     if len(lens) * Hv >= sm_count:
-        if not lengths_known:
+        if not dominant:
             return Choice(None, f"{len(lens)} sequences x {Hv} heads fill the {sm_count} "
-                                "SMs and the lengths of a replay are not known")
+                                "SMs (no split of a full grid asked for)")
         return plan_dominant(lens, Hv, sm_count)
     chunks = chunks_of(lens)
 
