@@ -129,18 +129,19 @@ def _resolve_scale(scale: float | None, K: int) -> float:
     return K ** -0.5 if scale is None else float(scale)
 
 
-def _resolve_v_first(transpose_state_layout: bool, state_v_first: bool | None) -> bool:
-    """Whether states are ``[N, Hv, V, K]``: FlashQLA's and FLA's names for one option."""
-    validation.check_bool("transpose_state_layout", transpose_state_layout)
+def _resolve_v_first(transpose_state_layout: bool | None, state_v_first: bool | None) -> bool:
+    """Whether states are ``[N, Hv, V, K]``: FlashQLA's and FLA's names for one option
+    (None: not given); both given, they must agree."""
+    validation.check_bool("transpose_state_layout", transpose_state_layout, optional=True)
     validation.check_bool("state_v_first", state_v_first, optional=True)
     if state_v_first is None:
-        return transpose_state_layout
-    if transpose_state_layout and not state_v_first:
-        raise ValueError(
-            "transpose_state_layout=True and state_v_first=False contradict each other; "
-            "pass one of them"
-        )
-    return state_v_first
+        return bool(transpose_state_layout)
+    if transpose_state_layout is None or transpose_state_layout == state_v_first:
+        return state_v_first
+    raise ValueError(
+        f"transpose_state_layout={transpose_state_layout} and state_v_first={state_v_first} "
+        "contradict each other; pass one of them"
+    )
 
 
 def _reject_unsupported(*, head_first: bool, auto_cp: bool | None,
@@ -452,7 +453,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     *,
     cu_seqlens_cpu: torch.Tensor | None = None,
-    transpose_state_layout: bool = False,
+    transpose_state_layout: bool | None = None,
     state_v_first: bool | None = None,
     head_first: bool = False,
     use_gate_in_kernel: bool = False,
@@ -496,7 +497,8 @@ def chunk_gated_delta_rule(
             1. Zero-length sequences are allowed; tokens after ``cu_seqlens[-1]`` are
             padding and get exact zeros in o and in every gradient.
         cu_seqlens_cpu: the same offsets on the host; lets validation and backends plan
-            without a host sync. Not checked to equal ``cu_seqlens`` (that would sync).
+            without a host sync. Trusted where ``cu_seqlens`` is on a GPU (comparing would
+            cost the read it saves); compared where both are on the host.
             Without it (FLA's call), the offsets are read to the host once per
             ``cu_seqlens`` tensor (kept while the same tensor object is passed and not
             modified in place; inference tensors, which have no version counter, are
@@ -504,7 +506,8 @@ def chunk_gated_delta_rule(
             reads nothing. Nothing is read during a CUDA-graph capture.
         transpose_state_layout, state_v_first: FlashQLA's and FLA's names for the
             v-first state layout ``[N, Hv, V, K]`` of initial and final state (done by
-            transposing around the canonical-layout kernels).
+            transposing around the canonical-layout kernels); None: not given (k-first
+            unless the other says v-first); both given, they must agree (ValueError).
         head_first: must be False; ``[B, H, T, D]`` inputs are not supported.
         use_gate_in_kernel, A_log, dt_bias: FLA's in-kernel gate; the decay is
             ``g = -exp(A_log) * softplus(g + dt_bias)``, computed in fp32 as a
