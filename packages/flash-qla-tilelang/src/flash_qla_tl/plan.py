@@ -253,7 +253,7 @@ def plan_dominant(lens: list[int], Hv: int, sm_count: int) -> Choice:
     by ``SEGMENT_MIN_GAIN``: a sequence about twice as long as the spread or more, as one
     long rollout among many short ones in an RL batch. The bound, not an estimate,
     keeps batches of comparable lengths whole (six sequences of 1.5k-5k tokens at 32
-    heads: floor 79 steps, bound 144)."""
+    heads: floor 79 steps, bound 147)."""
     chunks = chunks_of(lens)
     spread = sum(chunks) * Hv / sm_count
     longest = max(chunks)
