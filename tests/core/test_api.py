@@ -690,3 +690,40 @@ def test_planner_is_told_which_split_follows(planner):
     """Backends without ``fwd_warmup`` are asked for the exact split's plan."""
     run_api(make_inputs(VARLEN), VARLEN, cu_seqlens_cpu=cu_tensor(VARLEN))
     assert planner.bounded is False
+
+
+class _Planner:
+    """A backend with a planner that records its keyword arguments, and walks searched in
+    its kernel (so a captured varlen batch is planned at all)."""
+
+    searches_walks = True
+
+    def __init__(self):
+        self.kwargs = []
+
+    def plan_segment_len(self, bounds, Hv, K, V, device, bounded, **kwargs):
+        self.kwargs.append(kwargs)
+        return None
+
+
+@pytest.mark.parametrize("capturing, grad, kept, dominant", [
+    (False, True, False, None),      # eager training: the lengths are real, full grids split
+    (True, False, True, None),       # captured inference on a warm-up's lengths
+    (True, True, True, False),       # captured varlen training: its backward runs unsplit
+    (True, False, False, False),     # captured, lengths guessed: one long sequence
+], ids=["eager", "captured-inference", "captured-training", "captured-guess"])
+def test_planner_told_when_a_full_grid_must_stay_whole(monkeypatch, capturing, grad, kept,
+                                                       dominant):
+    """``dominant=False`` reaches the backend's planner exactly where splitting a batch
+    that fills the GPU cannot pay (a capture's guessed lengths, a captured varlen training
+    step), and is left out otherwise (a planner may predate the keyword)."""
+    from flash_qla import api, offsets, validation
+
+    monkeypatch.setattr(validation, "is_capturing", lambda device: capturing)
+    cu = torch.tensor([0, 300, 400], dtype=torch.int32)
+    monkeypatch.setattr(offsets, "kept_offsets", lambda t: cu if kept else None)
+    q = torch.zeros(1, 400, 2, 8, requires_grad=grad)
+    v = torch.zeros(1, 400, 4, 8)
+    kernels = _Planner()
+    api._auto_segment_len(kernels, q, v, cu, cu if not capturing else None, bounded=True)
+    assert kernels.kwargs == [{} if dominant is None else {"dominant": dominant}]
