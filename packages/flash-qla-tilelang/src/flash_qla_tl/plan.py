@@ -225,11 +225,12 @@ def plan_bounded(lens: list[int], Hv: int, sm_count: int, host_us: float = WARMU
     def ctas(seg: int) -> int:                  # seg in chunks
         return sum(-(-n // seg) for n in chunks) * Hv
 
-    lo, hi = WARMUP_MIN_SEGMENT // CHUNK, max(chunks)     # ctas(hi) = len * Hv < SMs
+    longest_chunks = max(chunks)
+    lo, hi = WARMUP_MIN_SEGMENT // CHUNK, longest_chunks  # ctas(hi) = len * Hv < SMs
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (mid + 1, hi) if ctas(mid) > sm_count else (lo, mid)
-    if lo >= max(chunks):
+    if lo >= longest_chunks:
         return Choice(None, f"no segment shorter than {longest} tokens fits one wave")
     seg = lo * CHUNK
     unsplit = predicted_fwd_us(lens, Hv, sm_count)
@@ -255,21 +256,20 @@ def plan_dominant(lens: list[int], Hv: int, sm_count: int) -> Choice:
     keeps batches of comparable lengths whole (six sequences of 1.5k-5k tokens at 32
     heads: floor 79 steps, bound 147)."""
     chunks = chunks_of(lens)
-    spread = sum(chunks) * Hv / sm_count
-    longest = max(chunks)
-    seg = max(-(-sum(chunks) * Hv // sm_count), WARMUP_MIN_SEGMENT // CHUNK)
+    total, longest = sum(chunks), max(chunks)
+    spread = total * Hv / sm_count
+    seg = max(-(-total * Hv // sm_count), WARMUP_MIN_SEGMENT // CHUNK)   # >= spread
     if longest <= seg:
         return Choice(None, f"{len(lens)} sequences x {Hv} heads fill the {sm_count} SMs "
                             f"and none is longer than the spread ({spread:.0f} chunks)")
+    # past here longest > seg >= spread: the unsplit floor is the longest chain
     extra = sum(-(-n // seg) - 1 for n in chunks)         # segments that warm up
-    bound = (sum(chunks) + extra * WARMUP_CHUNKS) * Hv / sm_count + seg + WARMUP_CHUNKS
-    floor = max(longest, spread)
-    if bound < floor * (1 - SEGMENT_MIN_GAIN):
+    bound = (total + extra * WARMUP_CHUNKS) * Hv / sm_count + seg + WARMUP_CHUNKS
+    if bound < longest * (1 - SEGMENT_MIN_GAIN):
         return Choice(seg * CHUNK, f"longest sequence {longest} chunks against a spread "
                                    f"of {spread:.0f}: split bound {bound:.0f} steps")
     return Choice(None, f"longest sequence {longest} chunks, spread {spread:.0f}: split "
-                        f"bound {bound:.0f} steps, not {SEGMENT_MIN_GAIN:.0%} under "
-                        f"{floor:.0f}")
+                        f"bound {bound:.0f} steps, not {SEGMENT_MIN_GAIN:.0%} under the longest")
 
 
 def plan_exact(lens: list[int], Hv: int, sm_count: int) -> Choice:
