@@ -60,8 +60,8 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
                            warmup: bool = False, ds1_in_dtype: bool = False,
                            boundary: bool = False):
     """Build the sweep for ``arch``, q/k/v dtype ``dtype``, K = V = 128 (the arch's GEMMs,
-    slots and budgets as ``chunk_fwd_ws_kernel``; SM90's budgets are 192 / 120: at the
-    forward's 208 / 88 the aux warpgroup spilled 20-40 bytes on sm_90a).
+    slots and budgets as ``chunk_fwd_ws_kernel``; SM90's budgets are 192 / 120: at
+    208 / 88 the aux warpgroup spilled 20-40 bytes on sm_90a).
 
     Kernel arguments (packed token layout, Tt = total tokens, N sequences):
         q, k            [Tt, Hk, K]     dtype

@@ -43,8 +43,11 @@ q's dtype, the backward's states, has a row per sub-chunk
 (``flash_qla_tl.layout.state_rows``), stored from the registers (no 32 KB staging tile
 beside SM120's slots).
 
-Registers: setmaxnreg gives the state warpgroups 208 and the aux one 88 (at the plain
-168, ptxas serialised every WGMMA k-step). The aux's mask pass runs in two loops, the
+Registers (SM90): setmaxnreg gives the state warpgroups 192 and the aux one 120 (at the
+plain 168, ptxas serialised every WGMMA k-step). The chain has one WGMMA in flight at a
+time ((Q S0)^T waited for before (K S0)^T is issued): with both in flight it needed 208,
+which left the aux 88, and the aux bounded the step; at 192 / 120 the kernel is 7-9%
+faster (H100, docs/perf-notes.md). The aux's mask pass runs in two loops, the
 gate factors into registers first and the P / Ag stores after, so the few gate values
 each thread needs are loaded once, not after every store; it computes exp2 for every
 element and selects (a branch per element was 2.4% slower). ~3.7-4.0 us per chunk for
@@ -421,12 +424,15 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                     elif stage_h:
                         store_staged(h_out, h_s, st_b, first_chunk + c, h, STATE_BARRIER, 256)
                     T.barrier_wait(full[ss], (c // SLOTS) % 2)
-                    gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
-                                 clear_accum=True, policy=ROWS)                   # (K S0)^T
+                    # one product in flight at a time: with both, 192 registers make
+                    # ptxas serialise every WGMMA (C7512), and the aux needs its 120
                     if not states_only:
                         gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
                                      clear_accum=True, policy=ROWS)               # (Q S0)^T
-                    wait(0 if states_only else 1)
+                        wait(0)
+                    gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
+                                 clear_accum=True, policy=ROWS)                   # (K S0)^T
+                    wait(0)
                     for i, t in T.Parallel(V, SC):
                         r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
                     gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
