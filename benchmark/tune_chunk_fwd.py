@@ -22,6 +22,7 @@ shapes).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -29,8 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 DEFAULT_SHAPES = "16/64@1x32768,16/32@8x4096,16/16@4x8192,2/8@1x32768"
-#: the kernels' names in the table
-PREPARE, RECURRENCE = "prepare", "ws"
+#: the kernels' names in the table ("ws longest-first": the recurrence with its grid
+#: ordered longest sequence first, ``flash_qla_tl.layout.cta_order``, where that applies)
+PREPARE, RECURRENCE, ORDERED = "prepare", "ws", "ws longest-first"
 
 
 def compile_kernels(dtype="bfloat16"):
@@ -53,7 +55,7 @@ def run_shape(shape, args):
     from flash_qla_sm90.arch import served_arch
     from flash_qla_tl.forward import state_output
     from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
-    from flash_qla_tl.layout import layout_for, packed
+    from flash_qla_tl.layout import cta_order, layout_for, packed
     from flash_qla_tl.plan import waves
 
     inp = make_inputs(shape, args.gate, args.seed, "cuda", with_grads=False)
@@ -84,19 +86,23 @@ def run_shape(shape, args):
              round(ms * 1e3 / (chunks * Hv), 4)]]
     q_p, v_p = packed(q), packed(v)
 
-    def forward():
+    def forward(host_offsets=None):
         return state_output(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, arch=arch,
-                            scale=scale,
-                            initial_state=h0, num_chunks=None, alloc=torch.empty)
+                            scale=scale, initial_state=h0, num_chunks=None,
+                            alloc=torch.empty, cu_seqlens_cpu=host_offsets)
 
-    o, final, _ = forward()
-    err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
-    ms = bench(forward)
     longest = int((lens.max() + 63) // 64)                 # chunks of the longest sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rounds = waves(len(lens), Hv, sms)                     # of one CTA per SM
-    rows.append([shape.label, RECURRENCE, f"{err:.1e}", ms,
-                 round(ms * 1e3 / (rounds * longest), 2)])
+    kinds = [(RECURRENCE, None)]
+    if cta_order(inp["cu_seqlens_cpu"], Hv, q.device)[1]:   # the grid is reordered
+        kinds.append((ORDERED, inp["cu_seqlens_cpu"]))
+    for name, host_offsets in kinds:
+        o, final, _ = forward(host_offsets)
+        err = max(rel_err(o.view_as(ref_o), ref_o), rel_err(final, ref_s))
+        ms = bench(functools.partial(forward, host_offsets))
+        rows.append([shape.label, name, f"{err:.1e}", ms,
+                     round(ms * 1e3 / (rounds * longest), 2)])
     return rows
 
 

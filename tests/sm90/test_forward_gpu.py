@@ -151,6 +151,46 @@ def test_bitwise_deterministic():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("training, fused", [(False, None), (True, True), (True, False)],
+                         ids=["inference", "training-fused", "training-sweep"])
+def test_longest_first_grid_matches_grid_order(training, fused, monkeypatch):
+    """A batch whose grids take several waves (7 sequences x 32 heads on at most 132
+    SMs) and packs its longest sequence late runs its CTAs longest first
+    (``flash_qla_tl.layout.cta_order``): the recurrence, and in a training step the
+    fused backward or the reverse sweep. Each CTA's work is the same in either order:
+    o, the final states and every gradient equal the grid-order run's bit for bit, and
+    o and the final states match the fp64 recurrence."""
+    from flash_qla_tl import backward, forward, layout
+    from tests.helpers import force_fused_backward
+
+    if fused is not None:
+        force_fused_backward(monkeypatch, fused)
+    case = _varlen([64, 1, 150, 0, 999, 300, 77], 16, 32, pad=3)
+    inp = make_inputs(case, seed=7)
+    assert layout.cta_order(inp["cu_seqlens"].cpu(), case.Hv, inp["q"].device)[1] == 1
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def run():
+        args = {n: (t.detach().clone().requires_grad_(training) if n in names else t)
+                for n, t in inp.items()}
+        o, final = flash_qla.chunk_gated_delta_rule(**args, output_final_state=True)
+        if not training:
+            return [o, final]
+        loss = o.float().square().sum() + final.square().sum()
+        return [o, final, *torch.autograd.grad(loss, [args[n] for n in names])]
+
+    ordered = run()
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "cta_order",
+                            lambda cu_seqlens_cpu, Hv, device: (layout.no_walk(device), 0))
+    in_grid_order = run()
+    for a, b in zip(ordered, in_grid_order, strict=True):
+        assert torch.equal(a, b)
+    o_ref, final_ref = reference(inp)
+    assert rel_l2(ordered[0], o_ref) < TOL[case.dtype]
+    assert rel_l2(ordered[1], final_ref) < TOL[case.dtype]
+
+
 # NaN / Inf in tokens after cu_seqlens[-1] (a CUDA-graph bucket padded with stale memory):
 # last chunks that end mid-chunk read them.
 POISON_CASES = [CASES[11], _varlen(_lens(10, 1, 300, seed=4), 2, 4, pad=20), CASES[12],

@@ -202,3 +202,34 @@ def test_captured_guess_is_not_split_when_the_grid_is_full():
     guess = [0, *range(Tt - N + 1, Tt + 1)]
     assert plan.segment_len(guess, 32, SMS, bounded=True).value is not None
     assert plan.segment_len(guess, 32, SMS, bounded=True, dominant=False).value is None
+
+
+@pytest.mark.parametrize("chunks, Hv, expected", [
+    ([24, 38, 32, 40, 47, 79], 32, [5, 4, 3, 1, 2, 0]),   # an RL batch, longest packed last
+    ([2, 9, 0, 9, 5], 32, [1, 3, 4, 0, 2]),               # ties keep their packing order
+    ([79, 47, 40, 38, 32, 24], 32, None),                 # already longest first
+    ([24, 79], 64, None),                                 # 128 CTAs: one wave, no order
+    ([], 32, None),
+])
+def test_longest_first_grid_order(chunks, Hv, expected):
+    """The recurrence's grid starts the longest sequences first only where it has
+    several waves and the packing is not longest first already; the order is a
+    permutation (every sequence once)."""
+    from flash_qla_tl.layout import longest_first
+
+    order = longest_first(chunks, Hv, SMS)
+    assert order == expected
+    if order is not None:
+        assert sorted(order) == list(range(len(chunks)))
+        assert [chunks[n] for n in order] == sorted(chunks, reverse=True)
+
+
+def test_grid_order_is_never_asked_for_off_a_cuda_device():
+    """Off a CUDA device (the CPU host path), and without host offsets, the launch gets
+    the unread placeholder and ``ordered`` 0."""
+    from flash_qla_tl.layout import cta_order
+
+    cu = torch.tensor([0, 100, 5000, 5100], dtype=torch.int32)
+    for cu_cpu in (cu, None):
+        order, ordered = cta_order(cu_cpu, 64, torch.device("cpu"))
+        assert ordered == 0 and order.numel() == 1

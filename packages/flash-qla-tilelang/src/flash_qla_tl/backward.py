@@ -39,6 +39,7 @@ from .launch import launcher
 from .layout import (
     DTYPE_NAMES,
     ChunkLayout,
+    cta_order,
     layout_for,
     output_alloc,
     packed,
@@ -97,7 +98,7 @@ def chunk_states(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state
                         scale=scale,
                         initial_state=initial_state, alloc=torch.empty,
                         num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=walks,
-                        h_in_dtype=True, states_only=True)[2]
+                        h_in_dtype=True, states_only=True, cu_seqlens_cpu=cu_seqlens_cpu)[2]
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqlens,
@@ -129,7 +130,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqle
                       *static_flags(warmup, not boundary, boundary))
     kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0,
-           *walk_args(ends, q.device))
+           *walk_args(ends, q.device), *cta_order(cu_seqlens_cpu, Hv, q.device))
     return (None if boundary else dS1[:NT]), dh0
 
 
@@ -264,7 +265,7 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu
         h.reshape(max(NT, 1), Hv, K, V) if NT else h.new_zeros(1, Hv, K, V),
         p.layout.cu_seqlens, p.layout.chunk_offsets,
         dht.contiguous() if has_dht else dh0, float(scale),
-        dq, dk, dv, dbeta, dg, dh0)
+        dq, dk, dv, dbeta, dg, dh0, *cta_order(cu_seqlens_cpu, Hv, q.device))
     return (*finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta, arch=arch), dh0)
 
 

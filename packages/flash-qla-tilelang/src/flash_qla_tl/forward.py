@@ -17,6 +17,7 @@ from .layout import (
     DTYPE_NAMES,
     POOL_DTYPE_NAMES,
     ChunkLayout,
+    cta_order,
     layout_for,
     no_h,
     output_alloc,
@@ -30,7 +31,7 @@ from .layout import (
 
 def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch, scale,
                  initial_state, num_chunks: int | None, alloc, walks=None,
-                 h_in_dtype: bool = False, states_only: bool = False):
+                 h_in_dtype: bool = False, states_only: bool = False, cu_seqlens_cpu=None):
     """Run the recurrence kernel (``chunk_fwd_ws_kernel`` built for ``arch``) on packed
     inputs.
 
@@ -41,6 +42,8 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
     split's walk rule (``flash_qla.segments.WalkStarts``), which the kernel searches
     itself (the sequences of ``layout`` are the segments). ``states_only`` (the
     backward's recompute of h): o is neither computed nor written (left as allocated).
+    ``cu_seqlens_cpu``: host offsets of ``layout``'s sequences, if known: the grid then
+    starts the longest first (:func:`layout.cta_order`).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -61,7 +64,8 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
                       *static_flags(walks is not None, h_in_dtype and store_h,
                                     states_only and store_h))
     kernel(q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
-           h0, float(scale), o, final_state, h, *walk_args(walks, q.device))
+           h0, float(scale), o, final_state, h, *walk_args(walks, q.device),
+           *cta_order(cu_seqlens_cpu, Hv, q.device))
     return o, final_state, (h[:rows] if store_h else None)
 
 
@@ -80,7 +84,8 @@ def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, 
     o, final_state, h = state_output(
         packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, layout, arch=arch, scale=scale,
         initial_state=initial_state, alloc=alloc, h_in_dtype=keep,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h or keep else None)
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h or keep else None,
+        cu_seqlens_cpu=cu_seqlens_cpu)
     if output_h:
         h = h.view(B, -1, Hv, K, V)
     return o.view(B, T, Hv, V), h, final_state if output_final_state else None
@@ -138,7 +143,8 @@ def pool_fwd(q, k, v, g, beta, *, arch: Arch, scale, pool, state_indices, v_firs
                       False, False, False, POOL_DTYPE_NAMES[pool.dtype], v_first)
     kernel(packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout.cu_seqlens,
            layout.chunk_offsets, pool, float(scale), o, pool, no_h(q.device, Hv, K, V),
-           slots, slots, 0.0)                      # seq_start (unread) shares NW = N
+           slots, slots, 0.0,                      # seq_start (unread) shares NW = N
+           *cta_order(cu_seqlens_cpu, Hv, q.device))
     return o.view(B, T, Hv, V)
 
 
@@ -175,7 +181,8 @@ def warmup_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens
     o, final_state, h = state_output(
         packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout, arch=arch, scale=scale,
         initial_state=initial_state, alloc=alloc, walks=starts,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu) if keep else None, h_in_dtype=keep)
+        num_chunks=total_chunks(layout, cu_seqlens_cpu) if keep else None, h_in_dtype=keep,
+        cu_seqlens_cpu=cu_seqlens_cpu)
     outs = (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             final_state)
     return (*outs, h) if keep_states else outs

@@ -102,6 +102,10 @@ def chunk_bwd_fused_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
         dv              [Tt, Hv, V]     dtype out
         dbeta, dg       [Tt, Hv]        fp32 out (dg w.r.t. the raw per-token gate)
         dh0             [N, Hv, K, V]   fp32 out, state gradient at each start
+        cta_order       [NO]            int32, read only where ``ordered`` != 0
+        ordered         int32 scalar: CTA b works on sequence ``cta_order[b // Hv]``
+                                        (longest first, ``flash_qla_tl.layout.cta_order``)
+                                        instead of ``b // Hv``
     Only rows of real tokens are written."""
     C = CHUNK
     budget = arch.budget("chunk_bwd_fused")
@@ -122,7 +126,7 @@ def chunk_bwd_fused_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
     # <S0, dS1>: the state role (warpgroup 0, threads 0..127: its thread index is its
     # slot of ss_s) writes 128 = K partial sums, which the intra role folds as 2 per row
     assert K == V == 2 * C == 128
-    Tt, Hk, Hv, NG, N, N0, N1, NT = T.dynamic("Tt, Hk, Hv, NG, N, N0, N1, NT")
+    Tt, Hk, Hv, NG, N, N0, N1, NT, NO = T.dynamic("Tt, Hk, Hv, NG, N, N0, N1, NT, NO")
     f32 = "float32"
 
     @T.prim_func
@@ -145,6 +149,8 @@ def chunk_bwd_fused_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
         dbeta: T.Tensor((Tt, Hv), f32),
         dg: T.Tensor((Tt, Hv), f32),
         dh0: T.Tensor((N, Hv, K, V), f32),
+        cta_order: T.Tensor((NO,), "int32"),
+        ordered: T.int32,
     ):
         with T.Kernel(N * Hv, threads=512) as bx:
             # one slot per tile (several tiles share a slot one after the other)
@@ -200,6 +206,8 @@ def chunk_bwd_fused_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
             r_dg = T.alloc_fragment((C,), f32)
 
             n = T.alloc_var("int32", init=bx // Hv)
+            if ordered != 0:
+                n = cta_order[bx // Hv]
             hh = T.alloc_var("int32", init=bx % Hv)
             hk = T.alloc_var("int32", init=hh // NG)         # GVA: value -> q/k head
             gv = T.alloc_var("int32", init=hh - hk * NG)     # its place in the group

@@ -77,6 +77,10 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
         dh0             [N, Hv, K, V]   fp32 out
         seq_end, seq_index  [NW]        int32, read only with ``warmup``
         log_bound       fp32 scalar, read only with ``warmup``
+        cta_order       [NO]            int32, read only where ``ordered`` != 0
+        ordered         int32 scalar: CTA b works on sequence ``cta_order[b // Hv]``
+                                        (longest first, ``flash_qla_tl.layout.cta_order``)
+                                        instead of ``b // Hv``
 
     ``warmup`` (the bounded segment split's backward, ``flash_qla.segments.WalkEnds``):
     the sequences of ``cu_seqlens`` are segments, segment n of sequence
@@ -103,7 +107,7 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
     STATE_REGS, AUX_REGS = budget or (0, 0)
     gemm = mma(arch)                 # the dS chain's products
     wait = mma_wait(arch)
-    Tt, Hk, Hv, N, N0, N1, NT, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW")
+    Tt, Hk, Hv, N, N0, N1, NT, NW, NO = T.dynamic("Tt, Hk, Hv, N, N0, N1, NT, NW, NO")
     f32 = "float32"
     ds1_dtype = dtype if ds1_in_dtype else f32
     #: dS1 in dtype leaves by TMA from a shared [K, V] tile (``tile_ops.store_staged``);
@@ -147,6 +151,8 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
         seq_end: T.Tensor((NW,), "int32"),
         seq_index: T.Tensor((NW,), "int32"),
         log_bound: T.float32,
+        cta_order: T.Tensor((NO,), "int32"),
+        ordered: T.int32,
     ):
         with T.Kernel(N * Hv, threads=384) as bx:
             # SLOTS slots of everything the aux warpgroup prepares for one chunk
@@ -175,6 +181,8 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
             du_b = T.alloc_fragment((V, SC), dtype)           # dU^T, then -(E dX)^T
 
             n = T.alloc_var("int32", init=bx // Hv)
+            if ordered != 0:
+                n = cta_order[bx // Hv]
             h = T.alloc_var("int32", init=bx % Hv)
             hk = T.alloc_var("int32", init=h // (Hv // Hk))
             bos = T.alloc_var("int32", init=cu_seqlens[n])

@@ -50,8 +50,8 @@ which left the aux 88, and the aux bounded the step; at 192 / 120 the kernel is 
 faster (H100, docs/perf-notes.md). The aux's mask pass runs in two loops, the
 gate factors into registers first and the P / Ag stores after, so the few gate values
 each thread needs are loaded once, not after every store; it computes exp2 for every
-element and selects (a branch per element was 2.4% slower). ~3.7-4.0 us per chunk for
-the whole state on the H200 (docs/perf-notes.md v5).
+element and selects (a branch per element was 2.4% slower). 3.17 us per chunk for the
+whole state at 16/16 1x32768 on the H100 (docs/perf-notes.md).
 """
 
 import tilelang
@@ -127,6 +127,14 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
         seq_start, seq_index  [NW]      int32, read only with ``warmup`` (seq_index
                                         also with ``pool_dtype``: the slots)
         log_bound       fp32 scalar, read only with ``warmup``
+        cta_order       [NO]            int32, read only where ``ordered`` != 0
+        ordered         int32 scalar
+
+    ``ordered`` != 0: CTA ``b`` works on sequence ``cta_order[b // Hv]`` (a permutation
+    of the N sequences, longest first: ``flash_qla_tl.layout.cta_order``), else on
+    sequence ``b // Hv``. The block scheduler hands CTAs to free SMs in index order, so
+    where the grid takes several waves the longest chains start first (list scheduling,
+    longest first) instead of wherever the batch packed them.
 
     ``warmup`` (the bounded segment split, the rule of ``flash_qla.segments.
     warmup_starts``, searched here): the "sequences" of ``cu_seqlens`` are segments;
@@ -172,7 +180,7 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     gemm = mma(arch)                 # the state chain's products
     wait = mma_wait(arch)
     # N0: initial_state's rows (sequences; with ``warmup`` N counts segments)
-    Tt, Hk, Hv, N, N0, N1, NTh, NW = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW")
+    Tt, Hk, Hv, N, N0, N1, NTh, NW, NO = T.dynamic("Tt, Hk, Hv, N, N0, N1, NTh, NW, NO")
     f32 = "float32"
     h_dtype = dtype if h_in_dtype else f32
     #: h in dtype leaves by TMA from a shared [K, V] tile (32 KB: fits beside the slots);
@@ -231,6 +239,8 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
         seq_start: T.Tensor((NW,), "int32"),
         seq_index: T.Tensor((NW,), "int32"),
         log_bound: T.float32,
+        cta_order: T.Tensor((NO,), "int32"),
+        ordered: T.int32,
     ):
         with T.Kernel(grid, threads=384) as bx:
             # SLOTS slots of everything the aux warpgroup prepares for one chunk
@@ -260,6 +270,8 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             ot = T.alloc_fragment((V, SC), f32)               # O^T
 
             n = T.alloc_var("int32", init=bx // Hv)
+            if ordered != 0:
+                n = cta_order[bx // Hv]
             h = T.alloc_var("int32", init=bx % Hv)
             hk = T.alloc_var("int32", init=h // (Hv // Hk))
             bos = T.alloc_var("int32", init=cu_seqlens[n])        # first token walked
