@@ -46,6 +46,26 @@ def test_uncached_builders_exist_for_graph_capture():
     assert dense_layout.__wrapped__(2, 64, torch.device("cpu")).num_chunks == 2
 
 
+def test_layout_follows_an_inference_tensor_refilled_in_place():
+    """An engine refilling one offsets tensor in place under ``torch.inference_mode``
+    (no version counter to notice it) gets the layout of what the tensor holds now; a
+    tensor with a version counter keeps its cached layout until it changes."""
+    from flash_qla_sm90.arch import SM90
+    from flash_qla_tl.layout import layout_for
+
+    q = torch.empty(1, 256, 1, 128)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+        assert layout_for(q, cu, SM90).chunk_offsets.tolist() == [0, 1, 2]
+        cu.copy_(torch.tensor([0, 130, 256], dtype=torch.int32))
+        assert layout_for(q, cu, SM90).chunk_offsets.tolist() == [0, 3, 5]
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    first = layout_for(q, cu, SM90)
+    assert layout_for(q, cu, SM90) is first                # cached while unchanged
+    cu.copy_(torch.tensor([0, 130, 256], dtype=torch.int32))
+    assert layout_for(q, cu, SM90).chunk_offsets.tolist() == [0, 3, 5]
+
+
 def test_static_layout_is_kept_per_token_count_and_never_replaced():
     """A static offsets tensor keeps one layout per token count (a dense input and a
     padded varlen one share a plan), and a later count never replaces an earlier one

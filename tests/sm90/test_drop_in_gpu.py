@@ -95,6 +95,32 @@ def test_layers_share_one_read(monkeypatch):
     assert rel_l2(o, o_ref) < TOL[torch.bfloat16]
 
 
+def test_inference_offsets_refilled_in_place():
+    """An engine's prefill under ``torch.inference_mode`` refilling one offsets tensor in
+    place between steps (an inference tensor: no version counter to notice it) gets
+    each step computed on the offsets it holds then, state-pool forward included."""
+    inp = make_inputs(_varlen([500, 300, 224], 2, 4), seed=5)
+    args = {n: t for n, t in inp.items() if n != "cu_seqlens"}
+    pool = torch.zeros(3, 4, 128, 128, device="cuda")
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device="cuda")
+    with torch.inference_mode():
+        cu = inp["cu_seqlens"].clone()
+        for bounds in ([0, 500, 800, 1024], [0, 100, 600, 1024], [0, 1, 1023, 1024]):
+            cu.copy_(torch.tensor(bounds, device="cuda"))
+            o, final = flash_qla.chunk_gated_delta_rule(**args, cu_seqlens=cu,
+                                                        output_final_state=True)
+            h0 = args["initial_state"]
+            pool[slots.long()] = h0
+            o_pool = flash_qla.chunk_gated_delta_rule(
+                **{n: t for n, t in args.items() if n != "initial_state"}, cu_seqlens=cu,
+                initial_state=pool, state_indices=slots, output_final_state=True)[0]
+            ref = reference({**inp, "cu_seqlens": torch.tensor(bounds, device="cuda")})
+            assert rel_l2(o, ref[0]) < TOL[torch.bfloat16], bounds
+            assert rel_l2(final, ref[1]) < TOL[torch.bfloat16], bounds
+            assert rel_l2(o_pool, ref[0]) < TOL[torch.bfloat16], bounds
+            assert rel_l2(pool[slots.long()], ref[1]) < TOL[torch.bfloat16], bounds
+
+
 @pytest.mark.parametrize("warm_copy", [True, False], ids=["warm-up-read", "no-host-copy"])
 @pytest.mark.parametrize("case", DROP_IN_CASES[1:], ids=lambda c: c.id)
 def test_captured_training_step_with_device_offsets(case, warm_copy):

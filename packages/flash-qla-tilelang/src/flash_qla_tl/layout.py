@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_qla.offsets import version_of
 from flash_qla.utils import cast, tensor_cache
 from flash_qla.validation import is_capturing
 
@@ -141,7 +142,8 @@ def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None, arch: Arch,
                static: bool = False) -> ChunkLayout:
     """The call's chunk layout; cached in eager mode, rebuilt inside a CUDA-graph capture
     (the graph then recomputes it from the live ``cu_seqlens`` at every replay, and no
-    cache entry points into the graph's memory). ``static``: ``cu_seqlens`` never
+    cache entry points into the graph's memory) and for inference tensors (whose in-place
+    rewrites cannot be seen). ``static``: ``cu_seqlens`` never
     changes (a split's segment offsets): one layout built outside any capture serves
     every call and capture (:func:`static_layout`). ``arch``: the arch whose
     ``chunk_layout_kernel`` builds it on a device."""
@@ -151,6 +153,11 @@ def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None, arch: Arch,
     dense, varlen = dense_layout, varlen_layout
     if is_capturing(q.device):
         dense, varlen = dense.__wrapped__, varlen.__wrapped__        # uncached builders
+    elif cu_seqlens is not None and version_of(cu_seqlens) is None:
+        # an inference tensor has no version counter: an engine refilling the same
+        # offsets tensor in place would get the old layout (the host offsets, read per
+        # call for such tensors, would disagree with it); one launch per call instead
+        varlen = varlen.__wrapped__
     return dense(B, T, q.device, arch) if cu_seqlens is None else varlen(cu_seqlens, B * T,
                                                                          arch)
 
