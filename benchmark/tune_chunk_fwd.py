@@ -95,7 +95,7 @@ def run_shape(shape, args):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rounds = waves(len(lens), Hv, sms)                     # of one CTA per SM
     kinds = [(RECURRENCE, None)]
-    if cta_order(inp["cu_seqlens_cpu"], Hv, q.device)[1]:   # the grid is reordered
+    if cta_order(arch, inp["cu_seqlens_cpu"], Hv, q.device)[1]:   # the grid is reordered
         kinds.append((ORDERED, inp["cu_seqlens_cpu"]))
     for name, host_offsets in kinds:
         o, final, _ = forward(host_offsets)

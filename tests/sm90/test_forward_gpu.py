@@ -160,6 +160,7 @@ def test_longest_first_grid_matches_grid_order(training, fused, monkeypatch):
     fused backward or the reverse sweep. Each CTA's work is the same in either order:
     o, the final states and every gradient equal the grid-order run's bit for bit, and
     o and the final states match the fp64 recurrence."""
+    from flash_qla_sm90.arch import served_arch
     from flash_qla_tl import backward, forward, layout
     from tests.helpers import force_fused_backward
 
@@ -167,7 +168,10 @@ def test_longest_first_grid_matches_grid_order(training, fused, monkeypatch):
         force_fused_backward(monkeypatch, fused)
     case = _varlen([64, 1, 150, 0, 999, 300, 77], 16, 32, pad=3)
     inp = make_inputs(case, seed=7)
-    assert layout.cta_order(inp["cu_seqlens"].cpu(), case.Hv, inp["q"].device)[1] == 1
+    arch = served_arch()
+    if not arch.ordered_grid:
+        pytest.skip(f"{arch.name} keeps grid order (Arch.ordered_grid)")
+    assert layout.cta_order(arch, inp["cu_seqlens"].cpu(), case.Hv, inp["q"].device)[1] == 1
     names = ("q", "k", "v", "g", "beta", "initial_state")
 
     def run():
@@ -182,13 +186,42 @@ def test_longest_first_grid_matches_grid_order(training, fused, monkeypatch):
     ordered = run()
     for module in (forward, backward):
         monkeypatch.setattr(module, "cta_order",
-                            lambda cu_seqlens_cpu, Hv, device: (layout.no_walk(device), 0))
+                            lambda arch, cu_cpu, Hv, device, cu=None: (layout.no_walk(device), 0))
     in_grid_order = run()
     for a, b in zip(ordered, in_grid_order, strict=True):
         assert torch.equal(a, b)
     o_ref, final_ref = reference(inp)
     assert rel_l2(ordered[0], o_ref) < TOL[case.dtype]
     assert rel_l2(ordered[1], final_ref) < TOL[case.dtype]
+
+
+def test_captured_forward_keeps_the_eager_calls_grid_order():
+    """A forward captured with device offsets only, after an eager call on the same
+    offsets tensor, launches the longest-first order that call made (kept for the
+    graph's life), and its replays equal the eager call bit for bit."""
+    from flash_qla_sm90.arch import served_arch
+    from flash_qla_tl import layout
+
+    if not served_arch().ordered_grid:
+        pytest.skip(f"{served_arch().name} keeps grid order (Arch.ordered_grid)")
+    case = _varlen([64, 1, 150, 0, 999, 300, 77], 16, 32, pad=3)
+    inp = make_inputs(case, seed=9)
+    with torch.inference_mode():
+        eager = flash_qla.chunk_gated_delta_rule(**inp, output_final_state=True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            captured = flash_qla.chunk_gated_delta_rule(**inp, output_final_state=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        key = (tuple(layout.host_chunks(inp["cu_seqlens"].cpu())), case.Hv,
+               layout.sm_count(inp["q"].device), inp["q"].device)
+        assert layout._GRAPH_ORDERS[key] is not None            # the graph reads it
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b in zip(eager, captured, strict=True):
+                assert torch.equal(a, b)
 
 
 # NaN / Inf in tokens after cu_seqlens[-1] (a CUDA-graph bucket padded with stale memory):

@@ -230,6 +230,8 @@ def test_grid_order_is_never_asked_for_off_a_cuda_device():
     from flash_qla_tl.layout import cta_order
 
     cu = torch.tensor([0, 100, 5000, 5100], dtype=torch.int32)
+    from flash_qla_sm90.arch import SM90
+
     for cu_cpu in (cu, None):
-        order, ordered = cta_order(cu_cpu, 64, torch.device("cpu"))
+        order, ordered = cta_order(SM90, cu_cpu, 64, torch.device("cpu"))
         assert ordered == 0 and order.numel() == 1

@@ -71,6 +71,15 @@ class Arch:
         nvcc for warp-specialised code, tilelang-notes.md)."""
         return {"kind": "cuda", "arch": self.target}
 
+    @property
+    def ordered_grid(self) -> bool:
+        """Whether the sweeps' grids may start the longest sequences first
+        (``flash_qla_tl.layout.cta_order``): on the WGMMA builds. On the mma.sync builds,
+        at SM90's setmaxnreg budgets, the loaded sequence index cost 20-48 bytes more of
+        spills per variant (ptxas, sm_100a / sm_103a; none on sm_90a), so they keep grid
+        order until their budgets are re-fit."""
+        return self.mma == "wgmma"
+
     def budget(self, kernel: str) -> tuple[int, ...] | None:
         """The setmaxnreg budgets of ``kernel``'s roles, or None (no setmaxnreg)."""
         return dict(self.reg_budgets).get(kernel)

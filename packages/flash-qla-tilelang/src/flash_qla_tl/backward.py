@@ -130,7 +130,8 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqle
                       *static_flags(warmup, not boundary, boundary))
     kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0,
-           *walk_args(ends, q.device), *cta_order(cu_seqlens_cpu, Hv, q.device))
+           *walk_args(ends, q.device),
+           *cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
     return (None if boundary else dS1[:NT]), dh0
 
 
@@ -265,7 +266,8 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu
         h.reshape(max(NT, 1), Hv, K, V) if NT else h.new_zeros(1, Hv, K, V),
         p.layout.cu_seqlens, p.layout.chunk_offsets,
         dht.contiguous() if has_dht else dh0, float(scale),
-        dq, dk, dv, dbeta, dg, dh0, *cta_order(cu_seqlens_cpu, Hv, q.device))
+        dq, dk, dv, dbeta, dg, dh0,
+        *cta_order(arch, cu_seqlens_cpu, Hv, q.device, p.layout.cu_seqlens))
     return (*finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta, arch=arch), dh0)
 
 

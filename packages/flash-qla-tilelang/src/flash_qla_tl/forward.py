@@ -65,7 +65,7 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
                                     states_only and store_h))
     kernel(q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
            h0, float(scale), o, final_state, h, *walk_args(walks, q.device),
-           *cta_order(cu_seqlens_cpu, Hv, q.device))
+           *cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
     return o, final_state, (h[:rows] if store_h else None)
 
 
@@ -144,7 +144,7 @@ def pool_fwd(q, k, v, g, beta, *, arch: Arch, scale, pool, state_indices, v_firs
     kernel(packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout.cu_seqlens,
            layout.chunk_offsets, pool, float(scale), o, pool, no_h(q.device, Hv, K, V),
            slots, slots, 0.0,                      # seq_start (unread) shares NW = N
-           *cta_order(cu_seqlens_cpu, Hv, q.device))
+           *cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
     return o.view(B, T, Hv, V)
 
 

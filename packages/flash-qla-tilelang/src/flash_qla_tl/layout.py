@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from flash_qla.offsets import version_of
+from flash_qla.offsets import kept_offsets, version_of
 from flash_qla.utils import cast, tensor_cache
 from flash_qla.validation import is_capturing
 
@@ -291,23 +292,40 @@ def no_h(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
     return torch.empty(1, Hv, K, V, dtype=torch.float32, device=device)
 
 
-def cta_order(cu_seqlens_cpu, Hv: int, device: torch.device) -> tuple:
+def cta_order(arch: Arch, cu_seqlens_cpu, Hv: int, device: torch.device,
+              cu_seqlens: torch.Tensor | None = None) -> tuple:
     """The last two arguments of a launch of one CTA per (sequence, value head)
-    (``chunk_state_output``): ``(order, 1)``, with ``order`` ``[N]`` int32 on ``device``
-    the sequences longest first (by chunks; ties in packing order), or an unread
-    placeholder and 0 (grid order).
+    (``chunk_state_output``, ``chunk_state_grad``, ``chunk_grads_fused``): ``(order,
+    1)``, with ``order`` ``[N]`` int32 on ``device`` the sequences longest first (by
+    chunks; ties in packing order), or an unread placeholder and 0 (grid order).
 
     The block scheduler starts CTAs in index order as SMs free up, so a grid of more
     CTAs than SMs that packs its longest sequence last starts that chain only when an
-    earlier CTA ends: a batch of 1.5k-5k tokens at 32 heads with the longest last takes
-    ~1.4x its longest-first time (list scheduling: longest first is within 4/3 of the
-    best order). Ordered only when it can matter and costs no sync: a CUDA device, host
-    offsets known (``cu_seqlens_cpu``), not inside a CUDA-graph capture (the order would
-    be the graph's, fixed at capture), more CTAs than SMs, and lengths not already
-    non-increasing (:func:`longest_first`)."""
-    if device.type != "cuda" or cu_seqlens_cpu is None or is_capturing(device):
+    earlier CTA ends: six sequences of 1.5k-5k tokens at 32 heads with the longest last
+    took 1.41x the longest-first time (H100; list scheduling longest first is within 4/3
+    of the best order). Ordered only where it can matter and costs no sync: a CUDA
+    device, host offsets known, more CTAs than SMs, lengths not already non-increasing
+    (:func:`longest_first`). Inside a CUDA-graph capture the host offsets are
+    ``cu_seqlens_cpu`` or the copy an eager call kept of ``cu_seqlens``
+    (``flash_qla.offsets.kept_offsets``), and only an order made by an eager call is
+    used (then kept for the process's life: replays read it; a replay's other lengths
+    get a worse order, never a wrong result, any permutation computes the same). Never
+    on an ``arch`` without ``ordered_grid`` (its kernels do not read the order)."""
+    if device.type != "cuda" or not arch.ordered_grid:
         return no_walk(device), 0
-    order = _device_order(tuple(host_chunks(cu_seqlens_cpu)), Hv, sm_count(device), device)
+    capturing = is_capturing(device)
+    host = cu_seqlens_cpu
+    if host is None and capturing and cu_seqlens is not None:
+        host = kept_offsets(cu_seqlens)
+    if host is None:
+        return no_walk(device), 0
+    key = (tuple(host_chunks(host)), Hv, sm_count(device), device)
+    if capturing:
+        order = _GRAPH_ORDERS.get(key, _ORDERS.get(key))
+        if order is not None:
+            _GRAPH_ORDERS[key] = order
+    else:
+        order = _device_order(key)
     return (no_walk(device), 0) if order is None else (order, 1)
 
 
@@ -326,16 +344,29 @@ def longest_first(chunks, Hv: int, sms: int) -> list[int] | None:
     return sorted(range(len(chunks)), key=lambda n: -chunks[n])      # stable
 
 
-@functools.lru_cache(maxsize=64)
-def _device_order(chunks: tuple[int, ...], Hv: int, sms: int,
-                  device: torch.device) -> torch.Tensor | None:
-    """:func:`longest_first` as int32 on ``device`` (cached per lengths: a training loop
-    or the layers of one step repeat them), copied from pinned memory without a stream
-    synchronisation."""
+#: Orders made by eager calls, the 64 most recent (chunks, Hv, SMs, device) -> ``[N]``
+#: int32 or None; and those a CUDA graph captured, never dropped.
+_ORDERS: OrderedDict = OrderedDict()
+_GRAPH_ORDERS: dict = {}
+
+
+def _device_order(key: tuple) -> torch.Tensor | None:
+    """:func:`longest_first` as int32 on the key's device, cached per key (a training
+    loop and the layers of one step repeat their lengths), copied from pinned memory
+    without a stream synchronisation. Never called inside a capture (the copy would be
+    the graph's)."""
+    if key in _ORDERS:
+        _ORDERS.move_to_end(key)
+        return _ORDERS[key]
+    chunks, Hv, sms, device = key
     order = longest_first(chunks, Hv, sms)
-    if order is None:
-        return None
-    return torch.tensor(order, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    if order is not None:
+        order = torch.tensor(order, dtype=torch.int32).pin_memory().to(device,
+                                                                      non_blocking=True)
+    _ORDERS[key] = order
+    while len(_ORDERS) > 64:
+        _ORDERS.popitem(last=False)
+    return order
 
 
 def walk_args(walks, device: torch.device) -> tuple:

@@ -206,7 +206,7 @@ def chunk_bwd_fused_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
             r_dg = T.alloc_fragment((C,), f32)
 
             n = T.alloc_var("int32", init=bx // Hv)
-            if ordered != 0:
+            if arch.ordered_grid and ordered != 0:     # else never read
                 n = cta_order[bx // Hv]
             hh = T.alloc_var("int32", init=bx % Hv)
             hk = T.alloc_var("int32", init=hh // NG)         # GVA: value -> q/k head

@@ -181,7 +181,7 @@ def chunk_bwd_dh_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_dht: bool
             du_b = T.alloc_fragment((V, SC), dtype)           # dU^T, then -(E dX)^T
 
             n = T.alloc_var("int32", init=bx // Hv)
-            if ordered != 0:
+            if arch.ordered_grid and ordered != 0:     # else never read
                 n = cta_order[bx // Hv]
             h = T.alloc_var("int32", init=bx % Hv)
             hk = T.alloc_var("int32", init=h // (Hv // Hk))

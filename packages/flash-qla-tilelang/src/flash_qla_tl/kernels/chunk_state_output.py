@@ -270,7 +270,7 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             ot = T.alloc_fragment((V, SC), f32)               # O^T
 
             n = T.alloc_var("int32", init=bx // Hv)
-            if ordered != 0:
+            if arch.ordered_grid and ordered != 0:     # else never read
                 n = cta_order[bx // Hv]
             h = T.alloc_var("int32", init=bx % Hv)
             hk = T.alloc_var("int32", init=h // (Hv // Hk))
