@@ -235,3 +235,37 @@ def test_grid_order_is_never_asked_for_off_a_cuda_device():
     for cu_cpu in (cu, None):
         order, ordered = cta_order(SM90, cu_cpu, 64, torch.device("cpu"))
         assert ordered == 0 and order.numel() == 1
+
+
+def test_grid_order_on_a_device_is_made_eagerly_and_reused_by_captures(monkeypatch):
+    """On a CUDA device (stand-ins here: no GPU): a grid of one wave asks for no order; a
+    grid of several waves gets the eager call's order, which a capture then reuses (and
+    keeps) instead of making one; a capture with no eager order keeps grid order."""
+    from flash_qla_sm90.arch import SM90
+    from flash_qla_tl import layout
+
+    cuda = torch.device("cuda")
+    made, capturing = [], [False]
+    monkeypatch.setattr(layout, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(layout, "no_walk", lambda device: "placeholder")
+    monkeypatch.setattr(layout, "is_capturing", lambda device: capturing[0])
+    monkeypatch.setattr(layout, "_ORDERS", {})
+    monkeypatch.setattr(layout, "_GRAPH_ORDERS", {})
+
+    def device_order(key):
+        made.append(key)
+        layout._ORDERS[key] = order = torch.tensor(
+            layout.longest_first(*key[:3]), dtype=torch.int32)
+        return order
+
+    monkeypatch.setattr(layout, "_device_order", device_order)
+    one_wave = torch.tensor([0, 64, 5000], dtype=torch.int32)           # 2 x 64 CTAs
+    assert layout.cta_order(SM90, one_wave, 64, cuda) == ("placeholder", 0)
+    late = torch.tensor([0, 64, 128, 5000], dtype=torch.int32)          # 3 x 64, longest last
+    order, ordered = layout.cta_order(SM90, late, 64, cuda)
+    assert ordered == 1 and order.tolist() == [2, 0, 1] and len(made) == 1
+    capturing[0] = True
+    assert layout.cta_order(SM90, late, 64, cuda)[0] is order and len(made) == 1
+    assert list(layout._GRAPH_ORDERS.values()) == [order]
+    other = torch.tensor([0, 1, 64, 5000], dtype=torch.int32)           # not made eagerly
+    assert layout.cta_order(SM90, other, 64, cuda) == ("placeholder", 0)

@@ -317,9 +317,9 @@ def cta_order(arch: Arch, cu_seqlens_cpu, Hv: int, device: torch.device,
     host = cu_seqlens_cpu
     if host is None and capturing and cu_seqlens is not None:
         host = kept_offsets(cu_seqlens)
-    if host is None:
+    if host is None or (host.numel() - 1) * Hv <= sm_count(device):     # one wave
         return no_walk(device), 0
-    key = (tuple(host_chunks(host)), Hv, sm_count(device), device)
+    key = (_chunks_of(host), Hv, sm_count(device), device)
     if capturing:
         order = _GRAPH_ORDERS.get(key, _ORDERS.get(key))
         if order is not None:
@@ -327,6 +327,13 @@ def cta_order(arch: Arch, cu_seqlens_cpu, Hv: int, device: torch.device,
     else:
         order = _device_order(key)
     return (no_walk(device), 0) if order is None else (order, 1)
+
+
+@tensor_cache
+def _chunks_of(cu_seqlens_cpu: torch.Tensor) -> tuple[int, ...]:
+    """:func:`host_chunks` as a tuple (:func:`cta_order`'s key), computed once for the
+    host offsets the launches of one call (and of its backward) share."""
+    return tuple(host_chunks(cu_seqlens_cpu))
 
 
 def longest_first(chunks, Hv: int, sms: int) -> list[int] | None:
