@@ -1,7 +1,7 @@
 """Time the Hopper forward's two kernels, per shape: the prepare and the recurrence.
 
 For every shape (``HK/HV@LAYOUT``, as in ``bench_gated_delta_rule.py``) the script runs
-the prepare kernel (``chunk_prepare_blocked_kernel``; its "err" column: A against the
+the prepare kernel (``chunk_prepare_kernel``; its "err" column: A against the
 torch backend's) and then the recurrence kernel (``chunk_fwd_ws_kernel``) on its outputs;
 o and the final state are checked against the torch backend (fp32 chunked reference)
 before the time is reported: a wrong kernel shows as a large error next to its time.
@@ -37,11 +37,11 @@ PREPARE, RECURRENCE, ORDERED = "prepare", "ws", "ws longest-first"
 
 def compile_kernels(dtype="bfloat16"):
     from flash_qla_sm90.arch import served_arch
-    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_kernel
     from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
     arch = served_arch()                  # SM90, or FLASH_QLA_PROOF_ARCH's proof build
-    chunk_prepare_blocked_kernel(arch, dtype, 128)
+    chunk_prepare_kernel(arch, dtype, 128)
     for has_h0 in (False, True):
         chunk_fwd_ws_kernel(arch, dtype, 128, 128, has_h0, False)
         print("compiled", RECURRENCE, "h0" if has_h0 else "", flush=True)
@@ -54,7 +54,7 @@ def run_shape(shape, args):
     import flash_qla
     from flash_qla_sm90.arch import served_arch
     from flash_qla_tl.forward import state_output
-    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_kernel
     from flash_qla_tl.layout import cta_order, layout_for, packed
     from flash_qla_tl.plan import waves
 
@@ -73,7 +73,7 @@ def run_shape(shape, args):
     g_cumsum = torch.zeros(Tt, Hv, dtype=torch.float32, device="cuda")
     A = torch.zeros(Tt, Hv, 64, dtype=q.dtype, device="cuda")
     arch = served_arch()                  # SM90, or FLASH_QLA_PROOF_ARCH's proof build
-    prep = chunk_prepare_blocked_kernel(arch, "bfloat16", 128)
+    prep = chunk_prepare_kernel(arch, "bfloat16", 128)
 
     def prepare():
         prep(k_p, g_p, beta_p, layout.cu_seqlens, layout.chunk_idx, g_cumsum, A)

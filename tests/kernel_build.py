@@ -134,7 +134,7 @@ VARIANTS = {
                        (*_DIMS, True, "float32", False, "float32")),
     "recurrent_step_pool_bf16_v_first": ("recurrent_step", "recurrent_step_kernel",
                                          (*_DIMS, True, "bfloat16", True, "bfloat16")),
-    "prepare_blocked": ("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel",
+    "prepare": ("chunk_cumsum_inverse", "chunk_prepare_kernel",
                         ("bfloat16", 128)),
     "fwd_ws": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, False, False)),
     "fwd_ws_h": ("chunk_state_output", "chunk_fwd_ws_kernel", (*_DIMS, True, True)),

@@ -678,7 +678,7 @@ def test_host_proxy_counts_one_calls_launches_and_ops():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "step" and float(cells[2]) > 0 and cells[3] == "6", cells
     assert cells[4] == ("chunk_bwd_dh_ws_kernel 1, chunk_bwd_fused_kernel 1, "
-                        "chunk_fwd_ws_kernel 1, chunk_prepare_blocked_kernel 1, "
+                        "chunk_fwd_ws_kernel 1, chunk_prepare_kernel 1, "
                         "group_sum_kernel 2"), cells
     assert int(cells[5]) > 0, cells
     p = _run([tool, "--shapes", "2/4@seqs=100+37+300", "--mode", "inference", "--iters", "3"],
@@ -687,4 +687,4 @@ def test_host_proxy_counts_one_calls_launches_and_ops():
     row = next(line for line in p.stdout.splitlines() if "2/4 seqs=100+37+300" in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:2] == ["inference"] and cells[4] == (
-        "chunk_fwd_ws_kernel 1, chunk_prepare_blocked_kernel 1"), cells
+        "chunk_fwd_ws_kernel 1, chunk_prepare_kernel 1"), cells

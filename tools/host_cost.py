@@ -148,8 +148,8 @@ def main() -> None:
         from flash_qla_tl.launch import launcher
 
         recorders["ws"] = forward.chunk_fwd_ws_kernel = _Recorder(forward.chunk_fwd_ws_kernel)
-        recorders["prepare"] = forward.chunk_prepare_blocked_kernel = _Recorder(
-            forward.chunk_prepare_blocked_kernel)
+        recorders["prepare"] = forward.chunk_prepare_kernel = _Recorder(
+            forward.chunk_prepare_kernel)
     rows, profiles = [], {}
     grads = args.backward or args.fwd_bwd
     for spec in args.shapes.split(","):

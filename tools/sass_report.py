@@ -7,7 +7,7 @@ it with ``nvdisasm -gi`` and prints ptxas's registers / spills, the opcode histo
 and the instructions per line of the generated CUDA (each instruction charged to the
 outermost line of the kernel's own source that it was inlined into: a WGMMA or a
 reduction counts at its call site).
-Straight-line kernels (``chunk_bwd_intra``, ``chunk_prepare_blocked``) execute each
+Straight-line kernels (``chunk_bwd_intra``, ``chunk_prepare``) execute each
 instruction once per thread, so the static count is also the per-thread work; loops
 (the warp-specialised kernels) are per iteration where the line sits in the loop.
 

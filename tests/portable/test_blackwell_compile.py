@@ -64,7 +64,7 @@ SPILL_BUDGET = {
     ("sm100", "zero_tail_kernel"): 0,
     ("sm100", "recurrent_step_kernel"): 0,
     ("sm100", "group_sum_kernel"): 0,
-    ("sm100", "chunk_prepare_blocked_kernel"): 0,
+    ("sm100", "chunk_prepare_kernel"): 0,
     ("sm100", "chunk_fwd_ws_kernel"): 116,          # sm_100a 116, sm_103a 36
     ("sm100", "chunk_bwd_dh_ws_kernel"): 0,
     ("sm100", "chunk_bwd_intra_kernel"): 512,
@@ -72,7 +72,7 @@ SPILL_BUDGET = {
     ("sm120", "chunk_layout_kernel"): 0,
     ("sm120", "zero_tail_kernel"): 0,
     ("sm120", "recurrent_step_kernel"): 0,
-    ("sm120", "chunk_prepare_blocked_kernel"): 0,
+    ("sm120", "chunk_prepare_kernel"): 0,
     ("sm120", "chunk_fwd_ws_kernel"): 0,            # 32-token sub-chunks, no setmaxnreg
     ("sm120", "chunk_bwd_dh_ws_kernel"): 0,
     ("sm120", "chunk_bwd_intra_split_kernel"): 0,

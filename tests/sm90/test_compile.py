@@ -25,16 +25,19 @@ def _source(builder, *args) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_blocked_prepare_runs_its_products_on_fp16_wgmma(dtype):
-    """chunk_prepare_blocked: K K^T in the input dtype, then the four products of the
-    blocked inverse with fp16 operands, all on WGMMA (no mma.sync fallback)."""
-    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+def test_prepare_runs_kkt_on_wgmma_and_the_inverse_on_register_chained_mma(dtype):
+    """chunk_prepare: K K^T in the input dtype on WGMMA, then the inverse of
+    ``unit_lower_inverse`` (one call; its products fp16 ``mma.sync`` fed by ``ldmatrix``,
+    no WGMMA of fp16 operands)."""
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_kernel
 
-    src = _source(chunk_prepare_blocked_kernel, dtype, 128)
+    src = _source(chunk_prepare_kernel, dtype, 128)
     kinds = {"bfloat16": "kBFloat16", "float16": "kFloat16"}
-    assert src.count(f"tl::wgmma_ss<tl::DataType::{kinds[dtype]}") >= 1       # K K^T
-    assert src.count("tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16") >= 4
-    assert "mma_sync" not in src
+    assert src.count("tl::wgmma_ss<") == 1                                   # K K^T
+    assert f"tl::wgmma_ss<tl::DataType::{kinds[dtype]}" in src
+    assert src.count("fqla_inverse::inverse64<") == 1                     # one call
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src
 
 
 def test_aux_warpgroup_forward_never_serialises_its_roles():
@@ -174,7 +177,7 @@ def test_aux_warpgroup_sweep_keeps_ds_in_registers(tmp_path):
     assert re.search(r"\b0 bytes spill stores", ptxas_report(src, tmp_path))
 
 
-@pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws_warmup", "prepare_blocked", "bwd_intra",
+@pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws_warmup", "prepare", "bwd_intra",
                                     "fwd_ws_warmup_h_dtype", "bwd_dh_ws_dtype",
                                     "bwd_dh_ws_warmup_dtype",
                                     "fwd_ws_states", "fwd_ws_warmup_states_dtype",

@@ -256,11 +256,11 @@ def test_forward_with_states_matches_recurrence(case):
 
 
 @pytest.mark.parametrize("case", CASES + POISON_CASES[:2], ids=lambda c: c.id)
-def test_blocked_prepare_matches_recurrence(case):
-    """The prepare kernel (the blocked fp16-WGMMA inverse, chunk_prepare_blocked): the
-    whole forward against the fp64 recurrence (o, final state, h), its A against the
-    torch backend's (fp64 substitution), padding rows zero and NaN padding never
-    entering."""
+def test_prepare_matches_recurrence(case):
+    """The prepare kernel (chunk_prepare: its inverse on register-chained mma.sync,
+    ``unit_lower_inverse``): the whole forward against the fp64 recurrence (o, final
+    state, h), its A against the torch backend's (fp64 substitution), padding rows zero
+    and NaN padding never entering."""
     inp = make_inputs(case, seed=13)
     _, a_blk, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp)
     _, a_ref, *_ = flash_qla.chunk_gated_delta_rule_fwd(**inp, backend="torch")
@@ -294,10 +294,10 @@ def test_high_level_options():
 
 def test_no_recompilation_across_shapes():
     """B, T, H, N and sequence lengths are dynamic: one compiled kernel per static config."""
-    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_blocked_kernel
+    from flash_qla_tl.kernels.chunk_cumsum_inverse import chunk_prepare_kernel
     from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
-    builders = (chunk_prepare_blocked_kernel, chunk_fwd_ws_kernel)
+    builders = (chunk_prepare_kernel, chunk_fwd_ws_kernel)
     warm = [Case(1, 64, 1, 1), Case(8, 256, 16, 32)]
     for case in warm:
         flash_qla.chunk_gated_delta_rule_fwd(**make_inputs(case))

@@ -33,7 +33,7 @@ class _OpCount(TorchDispatchMode):
 
 
 #: The kernel builders each orchestrator launches, by module.
-BUILDERS = {"forward": ("chunk_prepare_blocked_kernel", "chunk_fwd_ws_kernel"),
+BUILDERS = {"forward": ("chunk_prepare_kernel", "chunk_fwd_ws_kernel"),
             "backward": ("chunk_bwd_dh_ws_kernel", "chunk_bwd_intra_kernel",
                          "group_sum_kernel", "chunk_bwd_fused_kernel"),
             "recurrent": ("recurrent_step_kernel",),

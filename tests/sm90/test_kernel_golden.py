@@ -3,7 +3,8 @@
 every ``precompile.variants()`` entry for sm_90a, taken on the tree before the move (the
 state-pool variants: when they merged, after it; the decode kernel's: after it took the
 prefill's pool dtypes and layouts and beta as given, with its padding rows written; the
-prepare's: after its gate cumsum moved to the threads idle during the substitutions;
+prepare's: after its inverse became the register-chained doubling of
+``unit_lower_inverse``;
 the forward's: after its chain took one WGMMA in flight at a time, at 192 / 120),
 reduction workspaces renamed as ``tests.kernel_build.normalised`` does):
 moving the kernels and threading :class:`flash_qla_tl.arch.Arch` through them changes

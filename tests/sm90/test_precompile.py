@@ -62,7 +62,7 @@ def test_variants_per_dtype():
     assert {args[0] for _, args in every} == {SM90}
     for dtype in ("bfloat16", "float16"):
         assert sorted(_names(SM90, dtype)) == sorted(
-            [("chunk_prepare_blocked_kernel", ())]
+            [("chunk_prepare_kernel", ())]
             + [("chunk_fwd_ws_kernel", (h0, *flags)) for h0 in (False, True)
                for flags in precompile.FWD_FLAGS]
             + [("chunk_bwd_dh_ws_kernel", (dht, *flags)) for dht in (False, True)

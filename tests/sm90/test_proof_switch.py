@@ -85,7 +85,7 @@ def test_sm120_trains_on_sub_chunk_states(monkeypatch):
     assert h.shape == (2 * B * 4, Hv, D, D) and h.dtype == torch.bfloat16
     kernels.bwd(q, q, v, g_cumsum, beta, A, torch.randn_like(o), dht=None, states=h, **common)
     names = [name for name, _ in launched]
-    assert names == ["chunk_prepare_blocked_kernel", "chunk_fwd_ws_kernel",
+    assert names == ["chunk_prepare_kernel", "chunk_fwd_ws_kernel",
                      "chunk_bwd_dh_ws_kernel", "chunk_bwd_intra_split_kernel",
                      "group_sum_kernel", "group_sum_kernel"], names
     dS1 = launched[2][1][10]

@@ -10,7 +10,7 @@ import torch
 
 from . import plan
 from .arch import Arch
-from .kernels import chunk_fwd_ws_kernel, chunk_prepare_blocked_kernel
+from .kernels import chunk_fwd_ws_kernel, chunk_prepare_kernel
 from .kernels.traits import CHUNK
 from .launch import launcher
 from .layout import (
@@ -103,7 +103,7 @@ def _prepare(arch: Arch, q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool
     Tt, Hv = beta_p.shape
     g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
     A = alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
-    launcher(chunk_prepare_blocked_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
+    launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
         k_p, packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
         g_cumsum, A)
     return layout, alloc, k_p, beta_p, g_cumsum, A

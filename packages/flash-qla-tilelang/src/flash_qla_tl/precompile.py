@@ -27,7 +27,7 @@ from .kernels import (
     chunk_bwd_fused_kernel,
     chunk_fwd_ws_kernel,
     chunk_layout_kernel,
-    chunk_prepare_blocked_kernel,
+    chunk_prepare_kernel,
     group_sum_kernel,
     recurrent_step_kernel,
     zero_tail_kernel,
@@ -114,7 +114,7 @@ def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
     per-chunk gradient kernel of ``backward.gradient_kernel`` (the sub-chunk one where the
     states have a row per sub-chunk), the fused kernel and the boundary sweep that feeds it where
     ``arch.fused_backward``."""
-    yield chunk_prepare_blocked_kernel, (arch, dtype, K)
+    yield chunk_prepare_kernel, (arch, dtype, K)
     for has_h0 in (False, True):
         for store_h, *flags in FWD_FLAGS:
             yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)

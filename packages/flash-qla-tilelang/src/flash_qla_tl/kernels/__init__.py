@@ -6,7 +6,7 @@ which import their module on first call: a process whose kernels all come from t
 kernel index (``flash_qla_tl.kernel_index``) never imports TileLang's front end.
 
 - ``chunk_cumsum_inverse``: the gate's chunk cumsum and the gate-free per-chunk inverse
-  A = (I + strictly_lower(diag(beta) K K^T))^-1 (``chunk_prepare_blocked_kernel``);
+  A = (I + strictly_lower(diag(beta) K K^T))^-1 (``chunk_prepare_kernel``);
 - ``chunk_state_output``: the forward's recurrence, chunk states h, output o and final
   state in one pass (``chunk_fwd_ws_kernel``; also the states-only recompute of h and
   the bounded segment split's warm-up walks);
@@ -79,7 +79,7 @@ class Builder:
 
 chunk_layout_kernel = Builder("chunk_layout", "chunk_layout_kernel")
 zero_tail_kernel = Builder("chunk_layout", "zero_tail_kernel")
-chunk_prepare_blocked_kernel = Builder("chunk_cumsum_inverse", "chunk_prepare_blocked_kernel")
+chunk_prepare_kernel = Builder("chunk_cumsum_inverse", "chunk_prepare_kernel")
 chunk_fwd_ws_kernel = Builder("chunk_state_output", "chunk_fwd_ws_kernel")
 chunk_bwd_dh_ws_kernel = Builder("chunk_state_grad", "chunk_bwd_dh_ws_kernel")
 chunk_bwd_intra_kernel = Builder("chunk_input_grads", "chunk_bwd_intra_kernel")
