@@ -77,20 +77,23 @@ def chunk_prepare_kernel(arch: Arch, dtype: str, K: int):
             g_shared = T.alloc_shared((C,), f32)
             gc_shared = T.alloc_shared((C,), f32)
 
+            # Scalars in registers (T.alloc_var): let-bindings would be re-read from
+            # global memory at every use.
             c = T.alloc_var("int32", init=bid // Hv)
             h = T.alloc_var("int32", init=bid % Hv)
-            hk = T.alloc_var("int32", init=h // (Hv // Hk))
+            hk = T.alloc_var("int32", init=h // (Hv // Hk))  # GVA: value head -> q/k head
             seq = T.alloc_var("int32", init=chunk_idx[c, 0])
             t0 = T.alloc_var("int32", init=T.if_then_else(
                 seq >= 0, cu_seqlens[T.max(seq, 0)] + chunk_idx[c, 1] * C, 0))
             rows = T.alloc_var("int32", init=T.if_then_else(
-                seq >= 0, T.min(cu_seqlens[T.max(seq, 0) + 1] - t0, C), 0))
+                seq >= 0, T.min(cu_seqlens[T.max(seq, 0) + 1] - t0, C), 0))     # 0..C
             if seq >= 0:
                 for i in T.Parallel(C):
                     beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
                     g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
                 T.copy(k[t0:t0 + C, hk, :], k_shared)
                 T.gemm(k_shared, k_shared, acc_frag, transpose_B=True, clear_accum=True)
+                # N by blocks; rows past the end are selected to 0 (NaN-safe)
                 for i, j in T.Parallel(C, C):
                     if i // B == j // B:
                         nd_shared[i, j % B] = T.if_then_else(
