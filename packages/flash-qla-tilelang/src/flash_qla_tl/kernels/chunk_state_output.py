@@ -196,6 +196,17 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     h0_shape = (N0, Hv, *state_dims)
     final_shape = (N0 if pool else N, Hv, *state_dims)    # the pool's rows, or N
     grid = (N1 - 1) * Hv if pool else N * Hv
+    #: element-wise steps that need no pending product run under an asynchronous one
+    #: (WGMMA; on mma.sync ``T.gemm`` has completed when it returns): st (not an operand:
+    #: st_b is) takes its decay to the chunk's end under (Q S0)^T and O^T its E under
+    #: (K S0)^T: -4% / -10% per chunk at 16/32 six sequences / 16/16 1x32768
+    #: (docs/perf-notes.md). The decay stays beside (U^T D) K on a state pool (under
+    #: (Q S0)^T the bf16 pool's k-first variant spilled 152 B) and in the states-only
+    #: variant (under (K S0)^T, its only product before U^T, ptxas serialised the chain:
+    #: C7512).
+    under = arch.mma == "wgmma"
+    decay_under_qs = under and not states_only and not pool
+    o_scale_under_ks = under and not states_only
 
     @T.macro
     def load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, t0, hk, h, c):
@@ -441,9 +452,15 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                     if not states_only:
                         gemm(st_b, q_s[ss, :, :], ot, transpose_B=True,
                                      clear_accum=True, policy=ROWS)               # (Q S0)^T
+                        if decay_under_qs:
+                            for i, j in T.Parallel(V, K):
+                                st[i, j] = st[i, j] * eg_s[ss, SC - 1]
                         wait(0)
                     gemm(st_b, k_s[ss, :, :], ks, transpose_B=True,
                                  clear_accum=True, policy=ROWS)                   # (K S0)^T
+                    if o_scale_under_ks:
+                        for i, t in T.Parallel(V, SC):
+                            ot[i, t] = ot[i, t] * eg_s[ss, t]
                     wait(0)
                     for i, t in T.Parallel(V, SC):
                         r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
@@ -457,11 +474,13 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                         for i, t in T.Parallel(V, SC):
                             r_b[i, t] = ks[i, t]
                             du_b[i, t] = ks[i, t] * ed_s[ss, t]
-                            ot[i, t] = ot[i, t] * eg_s[ss, t]
+                            if not o_scale_under_ks:
+                                ot[i, t] = ot[i, t] * eg_s[ss, t]
                         gemm(r_b, p_s[ss, :, :], ot, transpose_B=True,
                                      policy=ROWS)                                 # + U^T P^T
-                    for i, j in T.Parallel(V, K):
-                        st[i, j] = st[i, j] * eg_s[ss, SC - 1]
+                    if not decay_under_qs:
+                        for i, j in T.Parallel(V, K):
+                            st[i, j] = st[i, j] * eg_s[ss, SC - 1]
                     T.gemm(du_b, k_s[ss, :, :], st, policy=ROWS)                 # + (U^T D) K
                     T.barrier_arrive(empty[ss])
                     if warmup and not states_only:
