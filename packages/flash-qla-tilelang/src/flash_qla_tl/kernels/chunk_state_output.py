@@ -50,8 +50,10 @@ which left the aux 88, and the aux bounded the step; at 192 / 120 the kernel is 
 faster (H100, docs/perf-notes.md). The aux's mask pass runs in two loops, the
 gate factors into registers first and the P / Ag stores after, so the few gate values
 each thread needs are loaded once, not after every store; it computes exp2 for every
-element and selects (a branch per element was 2.4% slower). 3.17 us per chunk for the
-whole state at 16/16 1x32768 on the H100 (docs/perf-notes.md).
+element and selects (a branch per element was 2.4% slower). The state's element-wise
+steps that need no pending product run under the one in flight (``decay_under_qs``,
+``o_scale_under_ks`` below). 2.93 us per chunk for the whole state at 16/16 1x32768 on
+the H100 (docs/perf-notes.md).
 """
 
 import tilelang
