@@ -129,3 +129,31 @@ def test_kept_offsets_never_reads(reads):
     assert offsets._copies[id(fake_device)][3] is copy and len(reads) == 1
     fake_device[0] = 0                                    # in place: version bumped
     assert offsets._copies[id(fake_device)][1] != offsets.version_of(fake_device)
+
+
+def test_api_kept_plan_never_hides_an_error():
+    """A repeated call reuses its checked plan (``api._CALLS``), but an option of another
+    type, offsets rewritten in place, or other shapes are checked again, with the same
+    errors, and plan with the new offsets."""
+    q, k, v, g, beta = _inputs()
+    cu = torch.tensor([0, 60, 150])
+
+    def run(q=q, k=k, v=v, g=g, beta=beta, cu=cu, final=True):
+        return flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu,
+                                                output_final_state=final, backend="torch")
+
+    run()
+    kept = len(api._CALLS)
+    run()
+    assert len(api._CALLS) == kept                         # the same signature: kept
+    with pytest.raises(TypeError, match=r"output_final_state: expected a bool"):
+        run(final=1)                                       # 1 == True, but not a bool
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must be at most T=120"):
+        run(*(x[:, :120] for x in (q, k, v, g, beta)))
+    cu[1] = 200                                            # in place: checked again
+    with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing"):
+        run()
+    cu[1] = 90
+    o, final_state = run()
+    fresh_o, fresh_final = run(cu=torch.tensor([0, 90, 150]))
+    assert torch.equal(o, fresh_o) and torch.equal(final_state, fresh_final)

@@ -45,6 +45,10 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
+import weakref
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -603,13 +607,84 @@ def chunk_gated_delta_rule(
     """
     if state_indices is not None:       # an engine's state pool: flash_qla.state_pool
         return _on_state_pool(**locals())
+    traced = torch.compiler.is_compiling()      # torch.compile / export: nothing read here
+    key = call = None
+    host_read = False
+    if cp_context is None and not traced:
+        # the host offsets first: a kept plan is valid for these very offsets only
+        cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
+        options = (scale, output_final_state, use_qk_l2norm_in_kernel, transpose_state_layout,
+                   state_v_first, head_first, use_gate_in_kernel, auto_cp,
+                   enable_fwd_cp_cache, force_intra_cp, segment_len, segment_shortcut_bound,
+                   save_chunk_states, backend)
+        key = _call_key(options, (q, k, v, g, beta, initial_state, A_log, dt_bias),
+                        cu_seqlens, cu_seqlens_cpu)
+        call = _kept_call(key, cu_seqlens, cu_seqlens_cpu)
+    if call is None:
+        call, cu_seqlens, cu_seqlens_cpu = _check_and_plan(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            cu_seqlens, cu_seqlens_cpu, transpose_state_layout, state_v_first, head_first,
+            use_gate_in_kernel, A_log, dt_bias, auto_cp, enable_fwd_cp_cache, cp_context,
+            force_intra_cp, segment_len, segment_shortcut_bound, save_chunk_states, backend,
+            traced=traced, resolved=cp_context is None and not traced, host_read=host_read)
+        if key is not None:
+            _keep_call(key, call, cu_seqlens, cu_seqlens_cpu)
+
+    # Pre-passes: everything the kernels' canonical contract does not cover.
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)                       # [B,T,Hk,K]
+    if use_gate_in_kernel:
+        g = gate_from_params(g, A_log, dt_bias)                       # [B,T,Hv] fp32
+    initial_state = _kernel_initial_state(initial_state, q, call.v_first)  # [N,Hv,K,V] fp32
+
+    args = (q, k, v, g, beta, initial_state, call.scale, output_final_state, cu_seqlens,
+            cu_seqlens_cpu, call.kernels, call.segment_len, call.shortcut_bound)
+    if traced:
+        o, final_state = _traced_forward(
+            q, k, v, g, beta, initial_state, call.scale, output_final_state, cu_seqlens,
+            cu_seqlens_cpu, call.segment_len, call.segment_len is None and auto_cp is not False,
+            call.shortcut_bound, backend)
+    elif _needs_grad(q, k, v, g, beta, initial_state):
+        o, final_state = _ChunkGatedDeltaRule.apply(*args, save_chunk_states)
+    else:
+        o, final_state = _inference(*args)
+
+    # Post-pass: back to the caller's state layout.
+    if call.v_first:
+        final_state = _swap_state_layout(final_state)                 # [N,Hv,V,K]
+    return o, final_state
+
+
+class _Call(NamedTuple):
+    """What the checks and the planning of :func:`chunk_gated_delta_rule` resolve: the
+    same for every call of one :func:`_call_key`. ``scale``: as given under a trace (K
+    may be symbolic), else a float; ``kernels``: None under a trace (the custom op
+    picks them)."""
+    scale: float | None
+    kernels: Kernels | None
+    segment_len: int | None
+    shortcut_bound: float
+    v_first: bool
+
+
+def _check_and_plan(q, k, v, g, beta, scale, initial_state, output_final_state,
+                    use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
+                    transpose_state_layout, state_v_first, head_first, use_gate_in_kernel,
+                    A_log, dt_bias, auto_cp, enable_fwd_cp_cache, cp_context, force_intra_cp,
+                    segment_len, segment_shortcut_bound, save_chunk_states, backend, *,
+                    traced: bool, resolved: bool,
+                    host_read: bool) -> tuple[_Call, object, object]:
+    """Every check of :func:`chunk_gated_delta_rule`'s arguments, the backend's choice and
+    the segment split: ``(call, cu_seqlens, cu_seqlens_cpu)``, the offsets replaced by a
+    ``cp_context``'s local ones. ``resolved``: ``cu_seqlens_cpu`` is already resolved
+    (:func:`_resolve_offsets`; ``host_read`` its second value), else it is resolved here
+    where the call is not traced."""
     # >>> context parallelism (issue 35): flash_qla.context_parallel owns the rest
     cp_layout = None
     if cp_context is not None:      # the local offsets replace the call's, as in FLA
         from flash_qla.context_parallel import context_for_call
         cp_layout = context_for_call(cp_context, segment_len=segment_len,
-                                     force_intra_cp=force_intra_cp,
-                                     traced=torch.compiler.is_compiling())
+                                     force_intra_cp=force_intra_cp, traced=traced)
         cu_seqlens, cu_seqlens_cpu, cp_context = (cp_layout.cu_seqlens,
                                                   cp_layout.cu_seqlens_cpu, None)
     # <<< context parallelism
@@ -622,9 +697,8 @@ def chunk_gated_delta_rule(
     validation.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     validation.check_bool("use_gate_in_kernel", use_gate_in_kernel)
     validation.check_bool("save_chunk_states", save_chunk_states)
-    traced = torch.compiler.is_compiling()      # torch.compile / export: nothing read here
-    cu_seqlens_cpu, host_read = ((cu_seqlens_cpu, False) if traced
-                                 else _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q))
+    if not traced and not resolved:
+        cu_seqlens_cpu, host_read = _resolve_offsets(cu_seqlens, cu_seqlens_cpu, q)
     validation.validate_forward(q, k, v, g, beta, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                 v_first=v_first, host_read=host_read, values=not traced)
@@ -641,30 +715,72 @@ def chunk_gated_delta_rule(
         if segment_len is None and auto_cp is not False:
             segment_len = _auto_segment_len(kernels, q, v, cu_seqlens, cu_seqlens_cpu,
                                             uses_warmup(kernels, shortcut_bound))
+    return _Call(scale, kernels, segment_len, shortcut_bound, v_first), cu_seqlens, cu_seqlens_cpu
 
-    # Pre-passes: everything the kernels' canonical contract does not cover.
-    if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)                       # [B,T,Hk,K]
-    if use_gate_in_kernel:
-        g = gate_from_params(g, A_log, dt_bias)                       # [B,T,Hv] fp32
-    initial_state = _kernel_initial_state(initial_state, q, v_first)  # [N,Hv,K,V] fp32
 
-    args = (q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-            cu_seqlens_cpu, kernels, segment_len, shortcut_bound)
-    if traced:
-        o, final_state = _traced_forward(
-            q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens,
-            cu_seqlens_cpu, segment_len, segment_len is None and auto_cp is not False,
-            shortcut_bound, backend)
-    elif _needs_grad(q, k, v, g, beta, initial_state):
-        o, final_state = _ChunkGatedDeltaRule.apply(*args, save_chunk_states)
-    else:
-        o, final_state = _inference(*args)
+#: Plans of eager calls that passed every check (:func:`_call_key` -> ``(weak references
+#: to the call's cu_seqlens and host offsets, _Call)``), the most recent last. A model's
+#: layers repeat one signature per step, and the checks and planning they skip cost more
+#: host time than the kernels' launches (``docs/perf-notes.md``, host path).
+_CALLS: OrderedDict = OrderedDict()
+_CALLS_SIZE = 64
 
-    # Post-pass: back to the caller's state layout.
-    if v_first:
-        final_state = _swap_state_layout(final_state)                 # [N,Hv,V,K]
-    return o, final_state
+
+def _call_key(options: tuple, tensors: tuple, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
+    """What the checks and the planning of an eager call read, or None where its plan
+    may not be kept: each tensor's shape, dtype and device, each option with its type
+    (``1 == True``, but only a bool passes), the offsets by identity and in-place
+    version (the host copy's values were checked and planned with), and the backend
+    resolver and its environment variable. None inside a CUDA-graph capture (a capture
+    plans apart: no host read, its own split rules), for a tensor subclass or a
+    non-tensor where a tensor belongs (the full checks say what is wrong), and for
+    offsets without a version counter (inference tensors: an in-place rewrite would go
+    unseen)."""
+    if type(tensors[0]) is not torch.Tensor or validation.is_capturing(tensors[0].device):
+        return None
+    from flash_qla import dispatch
+
+    key = [*map(type, options), *options, dispatch.get_kernels,
+           os.environ.get(dispatch.ENV_VAR)]
+    for x in tensors:
+        if x is None:
+            key.append(None)
+        elif type(x) is torch.Tensor:
+            key.append((x.shape, x.dtype, x.device))
+        else:
+            return None
+    for x in (cu_seqlens, cu_seqlens_cpu):
+        version = None if type(x) is not torch.Tensor else offsets.version_of(x)
+        if x is not None and version is None:
+            return None
+        key.append(None if x is None else (id(x), version))
+    return tuple(key)
+
+
+def _kept_call(key: tuple | None, cu_seqlens, cu_seqlens_cpu) -> _Call | None:
+    """The plan kept for ``key`` when it was made with these very offsets tensors (an
+    id is reused once its tensor is freed: the weak references tell)."""
+    if key is None:
+        return None
+    try:
+        kept = _CALLS.get(key)
+    except TypeError:                    # an unhashable option: the checks reject it
+        return None
+    if kept is None or not all(ref() is x for ref, x in zip(kept[0], (cu_seqlens,
+                                                                      cu_seqlens_cpu))):
+        return None
+    _CALLS.move_to_end(key)
+    return kept[1]
+
+
+def _keep_call(key: tuple, call: _Call, cu_seqlens, cu_seqlens_cpu) -> None:
+    """Keep ``call`` for ``key`` with weak references to its offsets tensors."""
+    refs = tuple((lambda: None) if x is None else weakref.ref(x)
+                 for x in (cu_seqlens, cu_seqlens_cpu))
+    _CALLS[key] = (refs, call)
+    _CALLS.move_to_end(key)
+    while len(_CALLS) > _CALLS_SIZE:
+        _CALLS.popitem(last=False)
 
 
 def _on_state_pool(*, q, k, v, g, beta, scale, initial_state, output_final_state,
