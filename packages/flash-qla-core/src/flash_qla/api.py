@@ -46,8 +46,6 @@ from __future__ import annotations
 import functools
 import numbers
 import os
-import weakref
-from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -619,7 +617,7 @@ def chunk_gated_delta_rule(
                    save_chunk_states, backend)
         key = _call_key(options, (q, k, v, g, beta, initial_state, A_log, dt_bias),
                         cu_seqlens, cu_seqlens_cpu)
-        call = _kept_call(key, cu_seqlens, cu_seqlens_cpu)
+        call = _CALLS.get(key, (cu_seqlens, cu_seqlens_cpu))
     if call is None:
         call, cu_seqlens, cu_seqlens_cpu = _check_and_plan(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -627,8 +625,7 @@ def chunk_gated_delta_rule(
             use_gate_in_kernel, A_log, dt_bias, auto_cp, enable_fwd_cp_cache, cp_context,
             force_intra_cp, segment_len, segment_shortcut_bound, save_chunk_states, backend,
             traced=traced, resolved=cp_context is None and not traced, host_read=host_read)
-        if key is not None:
-            _keep_call(key, call, cu_seqlens, cu_seqlens_cpu)
+        _CALLS.keep(key, (cu_seqlens, cu_seqlens_cpu), call)
 
     # Pre-passes: everything the kernels' canonical contract does not cover.
     if use_qk_l2norm_in_kernel:
@@ -718,24 +715,21 @@ def _check_and_plan(q, k, v, g, beta, scale, initial_state, output_final_state,
     return _Call(scale, kernels, segment_len, shortcut_bound, v_first), cu_seqlens, cu_seqlens_cpu
 
 
-#: Plans of eager calls that passed every check (:func:`_call_key` -> ``(weak references
-#: to the call's cu_seqlens and host offsets, _Call)``), the most recent last. A model's
-#: layers repeat one signature per step, and the checks and planning they skip cost more
-#: host time than the kernels' launches (``docs/perf-notes.md``, host path).
-_CALLS: OrderedDict = OrderedDict()
-_CALLS_SIZE = 64
+#: Plans of eager calls that passed every check, by :func:`_call_key`. A model's layers
+#: repeat one signature per step, and the checks and planning skipped cost more host time
+#: than the kernels' launches (``docs/perf-notes.md``, host path).
+_CALLS = offsets.KeptPlans(64)
 
 
 def _call_key(options: tuple, tensors: tuple, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
     """What the checks and the planning of an eager call read, or None where its plan
     may not be kept: each tensor's shape, dtype and device, each option with its type
     (``1 == True``, but only a bool passes), the offsets by identity and in-place
-    version (the host copy's values were checked and planned with), and the backend
-    resolver and its environment variable. None inside a CUDA-graph capture (a capture
-    plans apart: no host read, its own split rules), for a tensor subclass or a
-    non-tensor where a tensor belongs (the full checks say what is wrong), and for
-    offsets without a version counter (inference tensors: an in-place rewrite would go
-    unseen)."""
+    version (:class:`flash_qla.offsets.KeptPlans`: the host copy's values were checked
+    and planned with), and the backend resolver and its environment variable. None
+    inside a CUDA-graph capture (a capture plans apart: no host read, its own split
+    rules), for a tensor subclass or a non-tensor where a tensor belongs (the full checks
+    say what is wrong), and for offsets without a version counter."""
     if type(tensors[0]) is not torch.Tensor or validation.is_capturing(tensors[0].device):
         return None
     from flash_qla import dispatch
@@ -749,38 +743,7 @@ def _call_key(options: tuple, tensors: tuple, cu_seqlens, cu_seqlens_cpu) -> tup
             key.append((x.shape, x.dtype, x.device))
         else:
             return None
-    for x in (cu_seqlens, cu_seqlens_cpu):
-        version = None if type(x) is not torch.Tensor else offsets.version_of(x)
-        if x is not None and version is None:
-            return None
-        key.append(None if x is None else (id(x), version))
-    return tuple(key)
-
-
-def _kept_call(key: tuple | None, cu_seqlens, cu_seqlens_cpu) -> _Call | None:
-    """The plan kept for ``key`` when it was made with these very offsets tensors (an
-    id is reused once its tensor is freed: the weak references tell)."""
-    if key is None:
-        return None
-    try:
-        kept = _CALLS.get(key)
-    except TypeError:                    # an unhashable option: the checks reject it
-        return None
-    if kept is None or not all(ref() is x for ref, x in zip(kept[0], (cu_seqlens,
-                                                                      cu_seqlens_cpu))):
-        return None
-    _CALLS.move_to_end(key)
-    return kept[1]
-
-
-def _keep_call(key: tuple, call: _Call, cu_seqlens, cu_seqlens_cpu) -> None:
-    """Keep ``call`` for ``key`` with weak references to its offsets tensors."""
-    refs = tuple((lambda: None) if x is None else weakref.ref(x)
-                 for x in (cu_seqlens, cu_seqlens_cpu))
-    _CALLS[key] = (refs, call)
-    _CALLS.move_to_end(key)
-    while len(_CALLS) > _CALLS_SIZE:
-        _CALLS.popitem(last=False)
+    return _CALLS.key(tuple(key), (cu_seqlens, cu_seqlens_cpu))
 
 
 def _on_state_pool(*, q, k, v, g, beta, scale, initial_state, output_final_state,

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["clear_cache", "host_offsets", "kept_offsets", "read_offsets"]
+__all__ = ["KeptPlans", "clear_cache", "host_offsets", "kept_offsets", "read_offsets"]
 
 #: How many offsets tensors keep their host copy (most recent first out last).
 CACHE_SIZE = 16
@@ -101,6 +101,65 @@ def host_offsets(cu_seqlens: torch.Tensor | None,
     if cu_seqlens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     return read_offsets(cu_seqlens)
+
+
+class KeptPlans:
+    """Plans of calls kept per signature and offsets tensors, the ``size`` most recent.
+
+    A plan (checks passed, kernels chosen, a split or launch layout planned) depends on
+    a call's static signature and on the values of its offsets tensors (``cu_seqlens``,
+    the host copy). The key holds the signature and each offsets tensor's id and in-place
+    version (:meth:`key`), and an entry keeps weak references to the tensors it was made
+    with: an id reused by a later tensor, once the first is freed, finds an entry whose
+    reference is dead and misses."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._plans: OrderedDict[tuple, tuple[tuple, object]] = OrderedDict()
+
+    @staticmethod
+    def key(signature: tuple, tensors: tuple) -> tuple | None:
+        """``signature`` with ``(id, version)`` of each tensor of ``tensors`` (None where
+        absent); None where one has no version counter (an inference tensor: an in-place
+        rewrite would go unseen) or is not a plain tensor (the call's checks say what)."""
+        key = [signature]
+        for x in tensors:
+            version = version_of(x) if type(x) is torch.Tensor else None
+            if x is not None and version is None:
+                return None
+            key.append(None if x is None else (id(x), version))
+        return tuple(key)
+
+    def get(self, key: tuple | None, tensors: tuple):
+        """The plan kept for ``key`` if made with these very ``tensors``, else None."""
+        if key is None:
+            return None
+        try:
+            kept = self._plans.get(key)
+        except TypeError:                # an unhashable argument: the call's checks say
+            return None
+        if kept is None or not all(ref() is x for ref, x in zip(kept[0], tensors)):
+            return None
+        self._plans.move_to_end(key)
+        return kept[1]
+
+    def keep(self, key: tuple | None, tensors: tuple, plan) -> None:
+        """Keep ``plan`` under ``key`` (nothing when None), made with ``tensors``."""
+        if key is None:
+            return
+        refs = tuple(_none if x is None else weakref.ref(x) for x in tensors)
+        self._plans[key] = (refs, plan)
+        self._plans.move_to_end(key)
+        while len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def _none() -> None:
+    """The "weak reference" of an absent tensor: None, as the tensor itself."""
+    return None
 
 
 def clear_cache() -> None:

@@ -6,7 +6,13 @@ recompute of h."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
+
+from flash_qla.offsets import KeptPlans
+from flash_qla.validation import is_capturing
 
 from . import plan
 from .arch import Arch
@@ -17,6 +23,7 @@ from .layout import (
     DTYPE_NAMES,
     POOL_DTYPE_NAMES,
     ChunkLayout,
+    chunks_known,
     cta_order,
     layout_for,
     no_h,
@@ -29,9 +36,49 @@ from .layout import (
 )
 
 
+class LaunchPlan(NamedTuple):
+    """What a call's launches need besides its tensors, the same for every call of one
+    signature and offsets tensors (:func:`launch_plan`)."""
+    layout: ChunkLayout
+    alloc: Callable                      # layout.output_alloc's allocator
+    num_chunks: int                      # chunk rows of h and dS1 (layout.total_chunks)
+    order: tuple                         # the launches' last two arguments (cta_order)
+
+
+#: Launch plans of eager calls (:func:`launch_plan`): a training step plans its forward
+#: and backward with the same offsets, and a model's layers repeat them.
+_PLANS = KeptPlans(64)
+
+
+def launch_plan(arch: Arch, q, v, cu_seqlens, cu_seqlens_cpu, *, need_chunks: bool = True,
+                static: bool = False) -> LaunchPlan:
+    """The chunk layout, output allocator, chunk count and CTA order of a call on ``q``
+    ``[B, T, Hk, K]``, ``v`` ``[B, T, Hv, V]`` (:func:`layout.layout_for`, ``output_alloc``,
+    ``total_chunks``, ``cta_order``), kept per (arch, shapes, device, offsets tensors by
+    identity and version). ``need_chunks`` False: ``num_chunks`` is 0 where counting
+    would cost a host sync (device-only offsets: h is then not stored, the backward
+    recomputes it). Built afresh inside a CUDA-graph capture (the layout is the graph's)
+    and for offsets without a version counter, as ``layout_for`` builds them."""
+    B, T = q.shape[:2]
+    Hv = v.shape[2]
+    signature = (arch, B, T, Hv, q.device, need_chunks, static)
+    key = (None if is_capturing(q.device)
+           else _PLANS.key(signature, (cu_seqlens, cu_seqlens_cpu)))
+    plan_ = _PLANS.get(key, (cu_seqlens, cu_seqlens_cpu))
+    if plan_ is None:
+        layout = layout_for(q, cu_seqlens, arch, static)
+        counted = need_chunks or chunks_known(layout, cu_seqlens_cpu)
+        plan_ = LaunchPlan(layout, output_alloc(layout, cu_seqlens_cpu, B * T, arch=arch),
+                           total_chunks(layout, cu_seqlens_cpu) if counted else 0,
+                           cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
+        _PLANS.keep(key, (cu_seqlens, cu_seqlens_cpu), plan_)
+    return plan_
+
+
 def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch, scale,
                  initial_state, num_chunks: int | None, alloc, walks=None,
-                 h_in_dtype: bool = False, states_only: bool = False, cu_seqlens_cpu=None):
+                 h_in_dtype: bool = False, states_only: bool = False, cu_seqlens_cpu=None,
+                 order: tuple | None = None):
     """Run the recurrence kernel (``chunk_fwd_ws_kernel`` built for ``arch``) on packed
     inputs.
 
@@ -43,7 +90,8 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
     itself (the sequences of ``layout`` are the segments). ``states_only`` (the
     backward's recompute of h): o is neither computed nor written (left as allocated).
     ``cu_seqlens_cpu``: host offsets of ``layout``'s sequences, if known: the grid then
-    starts the longest first (:func:`layout.cta_order`).
+    starts the longest first (:func:`layout.cta_order`); ``order``: that order, already
+    made (:class:`LaunchPlan`).
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -57,21 +105,22 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
     # at least one row: h in q's dtype leaves by TMA, whose descriptor needs every
     # dimension >= 1 (a varlen batch of empty sequences has no chunk); the extra row is
     # never written, the caller gets the first ``rows``
-    h = (final_state.new_empty(max(rows, 1), Hv, K, V,
-                               dtype=q.dtype if h_in_dtype else torch.float32)
+    h = (torch.empty(max(rows, 1), Hv, K, V, dtype=q.dtype if h_in_dtype else torch.float32,
+                     device=q.device)
          if store_h else no_h(q.device, Hv, K, V))
     kernel = launcher(chunk_fwd_ws_kernel, arch, DTYPE_NAMES[q.dtype], K, V, has_h0, store_h,
                       *static_flags(walks is not None, h_in_dtype and store_h,
                                     states_only and store_h))
     kernel(q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
            h0, float(scale), o, final_state, h, *walk_args(walks, q.device),
-           *cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
-    return o, final_state, (h[:rows] if store_h else None)
+           *(order or cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens)))
+    if not store_h:
+        return o, final_state, None
+    return o, final_state, (h if rows else h[:0])      # a slice is an op: only when needed
 
 
-def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, arch: Arch,
-             scale, initial_state, cu_seqlens_cpu, output_final_state, output_h,
-             keep_states=False):
+def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, plan_: LaunchPlan, *, arch: Arch, scale,
+             initial_state, cu_seqlens_cpu, output_final_state, output_h, keep_states=False):
     """:func:`state_output` on the packed k, g_cumsum, beta, A, returning ``(o, h,
     final_state)`` in the layout of ``Kernels.fwd`` (o ``[B, T, Hv, V]``; dense h
     ``[B, NT/B, ...]`` fp32). ``keep_states`` (without ``output_h``): h's place holds the
@@ -79,34 +128,29 @@ def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, layout: ChunkLayout, alloc, *, 
     :func:`plan.keep_states`, else None."""
     B, T, _, K = q.shape
     Hv, V = v.shape[2:]
-    keep = keep_states and not output_h and plan.keep_states(layout, cu_seqlens_cpu,
+    keep = keep_states and not output_h and plan.keep_states(plan_.layout, cu_seqlens_cpu,
                                                              bound_ok=True).value
     o, final_state, h = state_output(
-        packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, layout, arch=arch, scale=scale,
-        initial_state=initial_state, alloc=alloc, h_in_dtype=keep,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu) if output_h or keep else None,
-        cu_seqlens_cpu=cu_seqlens_cpu)
+        packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, plan_.layout, arch=arch,
+        scale=scale, initial_state=initial_state, alloc=plan_.alloc, h_in_dtype=keep,
+        num_chunks=plan_.num_chunks if output_h or keep else None, order=plan_.order)
     if output_h:
         h = h.view(B, -1, Hv, K, V)
     return o.view(B, T, Hv, V), h, final_state if output_final_state else None
 
 
-def _prepare(arch: Arch, q, k, g, beta, cu_seqlens, cu_seqlens_cpu, static: bool = False):
-    """The call's layout and output allocator, and the prepare kernel on it: returns
-    ``(layout, alloc, k_p [Tt, Hk, K], beta_p [Tt, Hv] fp32, g_cumsum [Tt, Hv] fp32,
-    A [Tt, Hv, C])`` (packed) for the recurrence. ``static``: see
-    :func:`layout.layout_for`."""
-    B, T = q.shape[:2]
-    layout = layout_for(q, cu_seqlens, arch, static)
-    alloc = output_alloc(layout, cu_seqlens_cpu, B * T, arch=arch)
+def _prepare(arch: Arch, plan_: LaunchPlan, q, k, g, beta):
+    """The prepare kernel on the call's layout (:class:`LaunchPlan`): returns ``(k_p
+    [Tt, Hk, K], beta_p [Tt, Hv] fp32, g_cumsum [Tt, Hv] fp32, A [Tt, Hv, C])`` (packed)
+    for the recurrence."""
     k_p, beta_p = packed(k), packed(beta, torch.float32)         # [Tt, Hk, K], [Tt, Hv]
     Tt, Hv = beta_p.shape
-    g_cumsum = alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
-    A = alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
+    g_cumsum = plan_.alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
+    A = plan_.alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
     launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
-        k_p, packed(g, torch.float32), beta_p, layout.cu_seqlens, layout.chunk_idx,
-        g_cumsum, A)
-    return layout, alloc, k_p, beta_p, g_cumsum, A
+        k_p, packed(g, torch.float32), beta_p, plan_.layout.cu_seqlens,
+        plan_.layout.chunk_idx, g_cumsum, A)
+    return k_p, beta_p, g_cumsum, A
 
 
 def chunk_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens,
@@ -115,10 +159,10 @@ def chunk_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens,
     h's place holds the states the backward reads, or None (:func:`plan.keep_states`)."""
     B, T = q.shape[:2]
     Hv = v.shape[2]
-    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(arch, q, k, g, beta, cu_seqlens,
-                                                       cu_seqlens_cpu)
+    plan_ = launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=output_h)
+    k_p, beta_p, g_cumsum, A = _prepare(arch, plan_, q, k, g, beta)
     o, h, final_state = _outputs(
-        q, k_p, v, g_cumsum, beta_p, A, layout, alloc, arch=arch, scale=scale,
+        q, k_p, v, g_cumsum, beta_p, A, plan_, arch=arch, scale=scale,
         initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
         output_final_state=output_final_state, output_h=output_h, keep_states=keep_states)
     return g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o, h, final_state
@@ -135,16 +179,16 @@ def pool_fwd(q, k, v, g, beta, *, arch: Arch, scale, pool, state_indices, v_firs
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
     K = q.shape[3]
-    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(arch, q, k, g, beta, cu_seqlens,
-                                                       cu_seqlens_cpu)
-    o = alloc(B * T, Hv, V, dtype=q.dtype, device=q.device)
+    plan_ = launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=False)
+    k_p, beta_p, g_cumsum, A = _prepare(arch, plan_, q, k, g, beta)
+    o = plan_.alloc(B * T, Hv, V, dtype=q.dtype, device=q.device)
     slots = state_indices.to(torch.int32)           # no copy when already int32
     kernel = launcher(chunk_fwd_ws_kernel, arch, DTYPE_NAMES[q.dtype], K, V, True, False,
                       False, False, False, POOL_DTYPE_NAMES[pool.dtype], v_first)
-    kernel(packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout.cu_seqlens,
-           layout.chunk_offsets, pool, float(scale), o, pool, no_h(q.device, Hv, K, V),
+    kernel(packed(q), k_p, packed(v), g_cumsum, beta_p, A, plan_.layout.cu_seqlens,
+           plan_.layout.chunk_offsets, pool, float(scale), o, pool, no_h(q.device, Hv, K, V),
            slots, slots, 0.0,                      # seq_start (unread) shares NW = N
-           *cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
+           *plan_.order)
     return o.view(B, T, Hv, V)
 
 
@@ -154,11 +198,9 @@ def prepared_fwd(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state
     (g_cumsum ``[B,T,Hv]`` fp32 and A ``[B,T,Hv,C]`` as :func:`chunk_fwd` returned them
     for the same tokens and chunk boundaries; the exact segment split's passes).
     Returns (o, h, final_state)."""
-    layout = layout_for(q, cu_seqlens, arch)
     return _outputs(
         q, packed(k), v, packed(g_cumsum, torch.float32), packed(beta, torch.float32),
-        packed(A), layout, output_alloc(layout, cu_seqlens_cpu, q.shape[0] * q.shape[1],
-                                        arch=arch),
+        packed(A), launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=output_h),
         arch=arch, scale=scale, initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
         output_final_state=output_final_state, output_h=output_h)
 
@@ -175,14 +217,14 @@ def warmup_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens
     :func:`plan.keep_states` says no."""
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
-    layout, alloc, k_p, beta_p, g_cumsum, A = _prepare(arch, q, k, g, beta, cu_seqlens,
-                                                       cu_seqlens_cpu, static=True)
-    keep = keep_states and plan.keep_states(layout, cu_seqlens_cpu).value
+    plan_ = launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=False,
+                        static=True)
+    k_p, beta_p, g_cumsum, A = _prepare(arch, plan_, q, k, g, beta)
+    keep = keep_states and plan.keep_states(plan_.layout, cu_seqlens_cpu).value
     o, final_state, h = state_output(
-        packed(q), k_p, packed(v), g_cumsum, beta_p, A, layout, arch=arch, scale=scale,
-        initial_state=initial_state, alloc=alloc, walks=starts,
-        num_chunks=total_chunks(layout, cu_seqlens_cpu) if keep else None, h_in_dtype=keep,
-        cu_seqlens_cpu=cu_seqlens_cpu)
+        packed(q), k_p, packed(v), g_cumsum, beta_p, A, plan_.layout, arch=arch, scale=scale,
+        initial_state=initial_state, alloc=plan_.alloc, walks=starts,
+        num_chunks=plan_.num_chunks if keep else None, h_in_dtype=keep, order=plan_.order)
     outs = (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             final_state)
     return (*outs, h) if keep_states else outs
