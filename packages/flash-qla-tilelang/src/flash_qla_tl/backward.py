@@ -27,7 +27,7 @@ from flash_qla.utils import cast
 
 from . import plan
 from .arch import Arch
-from .forward import state_output
+from .forward import LaunchPlan, launch_plan, state_output
 from .kernels import (
     chunk_bwd_dh_ws_kernel,
     chunk_bwd_fused_kernel,
@@ -39,14 +39,10 @@ from .launch import launcher
 from .layout import (
     DTYPE_NAMES,
     ChunkLayout,
-    cta_order,
-    layout_for,
-    output_alloc,
     packed,
     sm_count,
     state_rows,
     static_flags,
-    total_chunks,
     walk_args,
 )
 
@@ -66,7 +62,8 @@ def _fp32_beta(backward):
 class Packed(NamedTuple):
     """A backward's inputs as its kernels read them, made once per backward (each of its
     launches reads them; packing costs host time per tensor): ``[Tt, ...]`` contiguous
-    (Tt = B T), g_cumsum and beta fp32, and the call's chunk layout."""
+    (Tt = B T), g_cumsum and beta fp32, and the call's launch plan (chunk layout, output
+    allocator, chunk count, CTA order)."""
     q: torch.Tensor                      # [Tt, Hk, K]
     k: torch.Tensor                      # [Tt, Hk, K]
     v: torch.Tensor | None               # [Tt, Hv, V]
@@ -74,17 +71,24 @@ class Packed(NamedTuple):
     beta: torch.Tensor                   # [Tt, Hv] fp32
     A: torch.Tensor                      # [Tt, Hv, C]
     do: torch.Tensor | None              # [Tt, Hv, V]
-    layout: ChunkLayout
+    plan: LaunchPlan
+
+    @property
+    def layout(self) -> ChunkLayout:
+        return self.plan.layout
 
 
-def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, *, arch: Arch,
-         static: bool = False) -> Packed:
+def pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, *, arch: Arch, static: bool = False,
+         cu_seqlens_cpu=None) -> Packed:
     """:class:`Packed` from ``Kernels.bwd``'s ``[B, T, ...]`` tensors (``v`` or ``do``
     None: a launch that does not read it); the layout built by ``arch``'s kernel.
-    ``static``: ``cu_seqlens`` never changes (``layout.layout_for``)."""
+    ``static``: ``cu_seqlens`` never changes (``layout.layout_for``); ``cu_seqlens_cpu``:
+    its host copy, if known (``forward.launch_plan``)."""
     return Packed(packed(q), packed(k), None if v is None else packed(v),
                   packed(g_cumsum, torch.float32), packed(beta, torch.float32), packed(A),
-                  None if do is None else packed(do), layout_for(q, cu_seqlens, arch, static))
+                  None if do is None else packed(do),
+                  launch_plan(arch, q, beta.shape[2], cu_seqlens, cu_seqlens_cpu,
+                              static=static))
 
 
 def chunk_states(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state, cu_seqlens,
@@ -93,12 +97,12 @@ def chunk_states(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state
     forward's saved g_cumsum and A by the forward's kernel (o skipped). ``walks``: the
     bounded split's forward walk rule (``flash_qla.segments.WalkStarts``; ``cu_seqlens``
     the segments). ``packed``: the same inputs already packed (:func:`pack`)."""
-    p = packed or pack(q, k, v, g_cumsum, beta, A, None, cu_seqlens, arch=arch)
+    p = packed or pack(q, k, v, g_cumsum, beta, A, None, cu_seqlens, arch=arch,
+                       cu_seqlens_cpu=cu_seqlens_cpu)
     return state_output(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout, arch=arch,
-                        scale=scale,
-                        initial_state=initial_state, alloc=torch.empty,
-                        num_chunks=total_chunks(p.layout, cu_seqlens_cpu), walks=walks,
-                        h_in_dtype=True, states_only=True, cu_seqlens_cpu=cu_seqlens_cpu)[2]
+                        scale=scale, initial_state=initial_state, alloc=torch.empty,
+                        num_chunks=p.plan.chunks(), walks=walks, h_in_dtype=True,
+                        states_only=True, order=p.plan.order)[2]
 
 
 def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqlens,
@@ -112,13 +116,14 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqle
     fused kernel's start states. ``packed``: the same inputs already packed
     (:func:`pack`)."""
     K, (Hv, V) = q.shape[-1], do.shape[2:]
-    p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens, arch=arch)
+    p = packed or pack(q, k, None, g_cumsum, beta, A, do, cu_seqlens, arch=arch,
+                       cu_seqlens_cpu=cu_seqlens_cpu)
     layout = p.layout
     warmup = ends is not None
     if boundary and not warmup:
         raise ValueError("boundary: only the bounded split's sweep (ends) walks the "
                          "segments' warm-up chunks alone")
-    NT = 0 if boundary else total_chunks(layout, cu_seqlens_cpu) * state_rows(arch)
+    NT = 0 if boundary else p.plan.chunks() * state_rows(arch)
     # at least one row: dS1 leaves by TMA (every descriptor dimension >= 1; a varlen
     # batch of empty sequences has no chunk); the extra row is never written
     # the boundary sweep stores no dS1: its variant takes an fp32 placeholder
@@ -130,8 +135,7 @@ def state_grads(q, k, do, g_cumsum, beta, A, *, arch: Arch, scale, dht, cu_seqle
                       *static_flags(warmup, not boundary, boundary))
     kernel(p.q, p.k, p.do, p.g_cumsum, p.beta, p.A, layout.cu_seqlens, layout.chunk_offsets,
            dht.contiguous() if has_dht else dh0, float(scale), dS1, dh0,
-           *walk_args(ends, q.device),
-           *cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
+           *walk_args(ends, q.device), *p.plan.order)
     return (None if boundary else dS1[:NT]), dh0
 
 
@@ -142,18 +146,17 @@ def gradient_kernel(arch: Arch):
     return chunk_bwd_intra_kernel if state_rows(arch) == 1 else chunk_bwd_intra_split_kernel
 
 
-def grad_buffers(q, v, layout: ChunkLayout, cu_seqlens_cpu, *, arch: Arch) -> tuple:
+def grad_buffers(q, v, alloc) -> tuple:
     """The outputs the gradient kernels write (``chunk_bwd_intra``, ``chunk_bwd_fused``)
     for ``Kernels.bwd``'s q ``[B, T, Hk, K]`` and v ``[B, T, Hv, V]``: dq, dk
     ``[G, Tt, Hk, K]`` per value head, group-major (hv = hk * G + g at ``[g, :, hk]``),
     dv ``[Tt, Hv, V]``, all in q's dtype; dbeta, dg ``[Tt, Hv]`` fp32. The rows of
     padding tokens (after ``cu_seqlens[-1]``: ``layout.output_alloc``) are zeroed: every
     row of a call without a chunk (all its sequences empty, so ``cu_seqlens[-1]`` is
-    0)."""
+    0), by ``alloc``, the call's ``layout.output_alloc`` (:class:`Packed`'s plan)."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2:]
     Tt, dt = B * T, q.dtype
-    alloc = output_alloc(layout, cu_seqlens_cpu, Tt, arch=arch)
     G = Hv // Hk
     return (alloc(G, Tt, Hk, K, dtype=dt, device=q.device, token_dim=1),
             alloc(G, Tt, Hk, K, dtype=dt, device=q.device, token_dim=1),
@@ -211,9 +214,9 @@ def chunk_grads(q, k, v, g_cumsum, beta, A, do, h, dS1, *, arch: Arch, scale, cu
     Hv, K, V = v.shape[2], q.shape[-1], v.shape[-1]
     dt = q.dtype
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
-                       cu_seqlens, arch=arch)
+                       cu_seqlens, arch=arch, cu_seqlens_cpu=cu_seqlens_cpu)
     NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, p.layout, cu_seqlens_cpu, arch=arch)
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, p.plan.alloc)
     if NT > 0:
         launcher(gradient_kernel(arch), arch, DTYPE_NAMES[dt], K, V)(
             p.q, p.k, p.v, p.do, p.g_cumsum, p.beta, p.A,
@@ -252,13 +255,13 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu
         raise ValueError(f"fused_grads: h must be in q's dtype {q.dtype}, got {h.dtype}")
     dt = q.dtype
     p = packed or pack(q, k.to(dt), v.to(dt), g_cumsum, beta, A.to(dt), do.to(dt),
-                       cu_seqlens, arch=arch)
+                       cu_seqlens, arch=arch, cu_seqlens_cpu=cu_seqlens_cpu)
     N = p.layout.num_seqs
     if dht is not None and dht.shape[0] < N:
         raise ValueError(f"fused_grads: dht needs a row per sequence, [{N}, Hv, K, V]; "
                          f"got {tuple(dht.shape)}")
     NT = h.numel() // (Hv * K * V)
-    dq, dk, dv, dbeta, dg = grad_buffers(q, v, p.layout, cu_seqlens_cpu, arch=arch)
+    dq, dk, dv, dbeta, dg = grad_buffers(q, v, p.plan.alloc)
     dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device)
     has_dht = dht is not None
     launcher(chunk_bwd_fused_kernel, arch, DTYPE_NAMES[dt], K, V, has_dht)(
@@ -266,8 +269,7 @@ def fused_grads(q, k, v, g_cumsum, beta, A, do, h, *, arch: Arch, dht, scale, cu
         h.reshape(max(NT, 1), Hv, K, V) if NT else h.new_zeros(1, Hv, K, V),
         p.layout.cu_seqlens, p.layout.chunk_offsets,
         dht.contiguous() if has_dht else dh0, float(scale),
-        dq, dk, dv, dbeta, dg, dh0,
-        *cta_order(arch, cu_seqlens_cpu, Hv, q.device, p.layout.cu_seqlens))
+        dq, dk, dv, dbeta, dg, dh0, *p.plan.order)
     return (*finish_grads(dq, dk, dv, dbeta, dg, q, k, v, beta, arch=arch), dh0)
 
 
@@ -280,7 +282,8 @@ def chunk_bwd(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale, initial
     reverse kernel (True) or the two kernels (False); None: :func:`plan.fused_backward`
     decides, where ``arch.fused_backward`` allows the fused kernel."""
     common = dict(arch=arch, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, arch=arch)
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, arch=arch,
+             cu_seqlens_cpu=cu_seqlens_cpu)
     if fused is None:
         hint = None if cu_seqlens is None or cu_seqlens_cpu is not None else \
             kept_offsets(cu_seqlens)                   # a capture's eager warm-up, if any
@@ -313,8 +316,8 @@ def chunk_bwd_warmup(q, k, v, g_cumsum, beta, A, do, *, arch: Arch, dht, scale,
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dh0 per segment ``[Nseg, Hv, K, V]``
     (None without an initial state)."""
     common = dict(arch=arch, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, arch=arch,
-             static=True)                                        # segment offsets
+    p = pack(q, k, v, g_cumsum, beta, A, do, cu_seqlens, arch=arch, static=True,
+             cu_seqlens_cpu=cu_seqlens_cpu)                      # segment offsets
     if fused is None:
         fused = arch.fused_backward and plan.fused_backward(
             p.layout, cu_seqlens_cpu, v.shape[2], sm_count(q.device)).value

@@ -12,8 +12,8 @@ from typing import NamedTuple
 import torch
 
 from flash_qla.offsets import KeptPlans
-from flash_qla.validation import is_capturing
 
+from . import layout as chunk_layout
 from . import plan
 from .arch import Arch
 from .kernels import chunk_fwd_ws_kernel, chunk_prepare_kernel
@@ -41,8 +41,14 @@ class LaunchPlan(NamedTuple):
     signature and offsets tensors (:func:`launch_plan`)."""
     layout: ChunkLayout
     alloc: Callable                      # layout.output_alloc's allocator
-    num_chunks: int                      # chunk rows of h and dS1 (layout.total_chunks)
+    num_chunks: int | None               # layout.total_chunks where it needs no host sync
     order: tuple                         # the launches' last two arguments (cta_order)
+
+    def chunks(self) -> int:
+        """Rows of a per-chunk buffer (h, dS1): :func:`layout.total_chunks`, read from
+        the device (one sync) where the plan could not count them."""
+        return self.num_chunks if self.num_chunks is not None else total_chunks(self.layout,
+                                                                                None)
 
 
 #: Launch plans of eager calls (:func:`launch_plan`): a training step plans its forward
@@ -50,26 +56,25 @@ class LaunchPlan(NamedTuple):
 _PLANS = KeptPlans(64)
 
 
-def launch_plan(arch: Arch, q, v, cu_seqlens, cu_seqlens_cpu, *, need_chunks: bool = True,
+def launch_plan(arch: Arch, q, Hv: int, cu_seqlens, cu_seqlens_cpu, *,
                 static: bool = False) -> LaunchPlan:
     """The chunk layout, output allocator, chunk count and CTA order of a call on ``q``
-    ``[B, T, Hk, K]``, ``v`` ``[B, T, Hv, V]`` (:func:`layout.layout_for`, ``output_alloc``,
-    ``total_chunks``, ``cta_order``), kept per (arch, shapes, device, offsets tensors by
-    identity and version). ``need_chunks`` False: ``num_chunks`` is 0 where counting
-    would cost a host sync (device-only offsets: h is then not stored, the backward
-    recomputes it). Built afresh inside a CUDA-graph capture (the layout is the graph's)
-    and for offsets without a version counter, as ``layout_for`` builds them."""
+    ``[B, T, Hk, K]`` with ``Hv`` value heads (:func:`layout.layout_for`,
+    ``output_alloc``, ``total_chunks``, ``cta_order``), kept per (arch, shapes, device,
+    offsets tensors by identity and version). Built afresh inside a CUDA-graph capture
+    (the layout is the graph's) and for offsets without a version counter, as
+    ``layout_for`` builds them."""
     B, T = q.shape[:2]
-    Hv = v.shape[2]
-    signature = (arch, B, T, Hv, q.device, need_chunks, static)
-    key = (None if is_capturing(q.device)
-           else _PLANS.key(signature, (cu_seqlens, cu_seqlens_cpu)))
+    # the layout module's view of a capture (the layout is built by its rules)
+    capturing = chunk_layout.is_capturing(q.device)
+    key = None if capturing else _PLANS.key((arch, B, T, Hv, q.device, static),
+                                            (cu_seqlens, cu_seqlens_cpu))
     plan_ = _PLANS.get(key, (cu_seqlens, cu_seqlens_cpu))
     if plan_ is None:
         layout = layout_for(q, cu_seqlens, arch, static)
-        counted = need_chunks or chunks_known(layout, cu_seqlens_cpu)
+        counted = capturing or chunks_known(layout, cu_seqlens_cpu)    # no sync
         plan_ = LaunchPlan(layout, output_alloc(layout, cu_seqlens_cpu, B * T, arch=arch),
-                           total_chunks(layout, cu_seqlens_cpu) if counted else 0,
+                           total_chunks(layout, cu_seqlens_cpu) if counted else None,
                            cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
         _PLANS.keep(key, (cu_seqlens, cu_seqlens_cpu), plan_)
     return plan_
@@ -133,7 +138,7 @@ def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, plan_: LaunchPlan, *, arch: Arc
     o, final_state, h = state_output(
         packed(q), k_p, packed(v), g_cumsum_p, beta_p, A_p, plan_.layout, arch=arch,
         scale=scale, initial_state=initial_state, alloc=plan_.alloc, h_in_dtype=keep,
-        num_chunks=plan_.num_chunks if output_h or keep else None, order=plan_.order)
+        num_chunks=plan_.chunks() if output_h or keep else None, order=plan_.order)
     if output_h:
         h = h.view(B, -1, Hv, K, V)
     return o.view(B, T, Hv, V), h, final_state if output_final_state else None
@@ -159,7 +164,7 @@ def chunk_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens,
     h's place holds the states the backward reads, or None (:func:`plan.keep_states`)."""
     B, T = q.shape[:2]
     Hv = v.shape[2]
-    plan_ = launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=output_h)
+    plan_ = launch_plan(arch, q, v.shape[2], cu_seqlens, cu_seqlens_cpu)
     k_p, beta_p, g_cumsum, A = _prepare(arch, plan_, q, k, g, beta)
     o, h, final_state = _outputs(
         q, k_p, v, g_cumsum, beta_p, A, plan_, arch=arch, scale=scale,
@@ -179,7 +184,7 @@ def pool_fwd(q, k, v, g, beta, *, arch: Arch, scale, pool, state_indices, v_firs
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
     K = q.shape[3]
-    plan_ = launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=False)
+    plan_ = launch_plan(arch, q, Hv, cu_seqlens, cu_seqlens_cpu)
     k_p, beta_p, g_cumsum, A = _prepare(arch, plan_, q, k, g, beta)
     o = plan_.alloc(B * T, Hv, V, dtype=q.dtype, device=q.device)
     slots = state_indices.to(torch.int32)           # no copy when already int32
@@ -200,7 +205,7 @@ def prepared_fwd(q, k, v, g_cumsum, beta, A, *, arch: Arch, scale, initial_state
     Returns (o, h, final_state)."""
     return _outputs(
         q, packed(k), v, packed(g_cumsum, torch.float32), packed(beta, torch.float32),
-        packed(A), launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=output_h),
+        packed(A), launch_plan(arch, q, v.shape[2], cu_seqlens, cu_seqlens_cpu),
         arch=arch, scale=scale, initial_state=initial_state, cu_seqlens_cpu=cu_seqlens_cpu,
         output_final_state=output_final_state, output_h=output_h)
 
@@ -217,14 +222,13 @@ def warmup_fwd(q, k, v, g, beta, *, arch: Arch, scale, initial_state, cu_seqlens
     :func:`plan.keep_states` says no."""
     B, T = q.shape[:2]
     Hv, V = v.shape[2:]
-    plan_ = launch_plan(arch, q, v, cu_seqlens, cu_seqlens_cpu, need_chunks=False,
-                        static=True)
+    plan_ = launch_plan(arch, q, Hv, cu_seqlens, cu_seqlens_cpu, static=True)
     k_p, beta_p, g_cumsum, A = _prepare(arch, plan_, q, k, g, beta)
     keep = keep_states and plan.keep_states(plan_.layout, cu_seqlens_cpu).value
     o, final_state, h = state_output(
         packed(q), k_p, packed(v), g_cumsum, beta_p, A, plan_.layout, arch=arch, scale=scale,
         initial_state=initial_state, alloc=plan_.alloc, walks=starts,
-        num_chunks=plan_.num_chunks if keep else None, h_in_dtype=keep, order=plan_.order)
+        num_chunks=plan_.chunks() if keep else None, h_in_dtype=keep, order=plan_.order)
     outs = (g_cumsum.view(B, T, Hv), A.view(B, T, Hv, CHUNK), o.view(B, T, Hv, V),
             final_state)
     return (*outs, h) if keep_states else outs
