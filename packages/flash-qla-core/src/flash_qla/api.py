@@ -375,12 +375,14 @@ def _inference(q, k, v, g, beta, initial_state, scale, output_final_state, cu_se
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
-    """o, final_state = GDN(q, k, v, g, beta, initial_state) on one backend's Kernels."""
+    """o, final_state = GDN(q, k, v, g, beta, initial_state) on one backend's Kernels.
+    The arguments that take no gradient come as one tuple, ``statics``: ``Function.apply``
+    costs host time per argument."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state,
-                cu_seqlens, cu_seqlens_cpu, kernels, segment_len, shortcut_bound,
-                save_chunk_states):
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, statics):
+        (scale, output_final_state, cu_seqlens_cpu, kernels, segment_len, shortcut_bound,
+         save_chunk_states) = statics
         q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
         beta_dtype, beta = beta.dtype, _kernel_beta(kernels, beta)   # once for both passes
         g_cumsum, A, o, states, final_state = _forward(
@@ -412,8 +414,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             q, k, v, g_cumsum, beta, A, do, dht=dht, scale=ctx.scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=ctx.cu_seqlens_cpu, **kept)
-        return (dq, dk, dv, cast(dg, ctx.g_dtype), cast(dbeta, ctx.beta_dtype), dh0,
-                None, None, None, None, None, None, None, None)
+        return dq, dk, dv, cast(dg, ctx.g_dtype), cast(dbeta, ctx.beta_dtype), dh0, None, None
 
 
 # --------------------------------------------------------------------------------------
@@ -634,17 +635,20 @@ def chunk_gated_delta_rule(
         g = gate_from_params(g, A_log, dt_bias)                       # [B,T,Hv] fp32
     initial_state = _kernel_initial_state(initial_state, q, call.v_first)  # [N,Hv,K,V] fp32
 
-    args = (q, k, v, g, beta, initial_state, call.scale, output_final_state, cu_seqlens,
-            cu_seqlens_cpu, call.kernels, call.segment_len, call.shortcut_bound)
     if traced:
         o, final_state = _traced_forward(
             q, k, v, g, beta, initial_state, call.scale, output_final_state, cu_seqlens,
             cu_seqlens_cpu, call.segment_len, call.segment_len is None and auto_cp is not False,
             call.shortcut_bound, backend)
     elif _needs_grad(q, k, v, g, beta, initial_state):
-        o, final_state = _ChunkGatedDeltaRule.apply(*args, save_chunk_states)
+        o, final_state = _ChunkGatedDeltaRule.apply(
+            q, k, v, g, beta, initial_state, cu_seqlens,
+            (call.scale, output_final_state, cu_seqlens_cpu, call.kernels, call.segment_len,
+             call.shortcut_bound, save_chunk_states))
     else:
-        o, final_state = _inference(*args)
+        o, final_state = _inference(q, k, v, g, beta, initial_state, call.scale,
+                                    output_final_state, cu_seqlens, cu_seqlens_cpu,
+                                    call.kernels, call.segment_len, call.shortcut_bound)
 
     # Post-pass: back to the caller's state layout.
     if call.v_first:

@@ -165,7 +165,7 @@ def layout_for(q: torch.Tensor, cu_seqlens: torch.Tensor | None, arch: Arch,
 
 def packed(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[B, T, ...] -> contiguous [B*T, ...], optionally cast."""
-    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    x = x.flatten(0, 1)           # a view where it can be; no shape read in Python (~1 us)
     return (x if dtype is None else cast(x, dtype)).contiguous()
 
 
