@@ -224,8 +224,12 @@ def discover(*, refresh: bool = False) -> tuple[dict[str, BackendSpec], list[Plu
 
 
 def clear_cache() -> None:
-    """Forget discovered backends, loaded kernels, picks and device capabilities."""
+    """Forget discovered backends, loaded kernels, picks and device capabilities, and
+    the call plans that hold loaded kernels (``flash_qla.api``)."""
+    from flash_qla import api
+
     global _discovery, _warned_failures
+    api._CALLS.clear()
     with _lock:
         _discovery = None
         _warned_failures = False

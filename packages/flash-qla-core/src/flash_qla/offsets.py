@@ -156,6 +156,9 @@ class KeptPlans:
     def __len__(self) -> int:
         return len(self._plans)
 
+    def clear(self) -> None:
+        self._plans.clear()
+
 
 def _none() -> None:
     """The "weak reference" of an absent tensor: None, as the tensor itself."""
