@@ -230,7 +230,9 @@ def _kernel_beta(kernels, beta: torch.Tensor) -> torch.Tensor:
     upcast (bf16 / fp16 to fp32: exact, the kernels read the same values); also used by
     the inference path, where the segment split's passes would each convert it."""
     dtype = getattr(kernels, "beta_dtype", None)
-    if dtype is None or beta.dtype == dtype or torch.promote_types(beta.dtype, dtype) != dtype:
+    # beta is a validated float dtype: a wider one is an upcast (no torch.promote_types,
+    # which is a dispatched op)
+    if dtype is None or beta.dtype.itemsize >= dtype.itemsize:
         return beta                                    # nothing to do, or not an upcast
     return beta.to(dtype)
 

@@ -72,6 +72,8 @@ def host_bounds(B: int, T: int, cu_seqlens: Tensor | None,
     else ``cu_seqlens`` (from ``cu_seqlens_cpu`` when given; otherwise a host sync)."""
     if cu_seqlens is None:
         return [b * T for b in range(B + 1)]
+    if cu_seqlens_cpu is not None:           # validated int32 / int64: Python ints
+        return cu_seqlens_cpu.tolist()
     from .reference import _sequence_bounds  # lazily: `import flash_qla` stays light
 
     return _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
