@@ -726,6 +726,10 @@ def _check_and_plan(q, k, v, g, beta, scale, initial_state, output_final_state,
 #: than the kernels' launches (``docs/perf-notes.md``, host path).
 _CALLS = offsets.KeptPlans(64)
 
+#: The tensor types a kept call plan is made for (a model's A_log and dt_bias are
+#: parameters); a subclass may carry semantics of its own (a trace's, a distributed one).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 
 def _call_key(options: tuple, tensors: tuple, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
     """What the checks and the planning of an eager call read, or None where its plan
@@ -734,9 +738,10 @@ def _call_key(options: tuple, tensors: tuple, cu_seqlens, cu_seqlens_cpu) -> tup
     version (:class:`flash_qla.offsets.KeptPlans`: the host copy's values were checked
     and planned with), and the backend resolver and its environment variable. None
     inside a CUDA-graph capture (a capture plans apart: no host read, its own split
-    rules), for a tensor subclass or a non-tensor where a tensor belongs (the full checks
-    say what is wrong), and for offsets without a version counter."""
-    if type(tensors[0]) is not torch.Tensor or validation.is_capturing(tensors[0].device):
+    rules), for a tensor subclass other than a parameter or a non-tensor where a tensor
+    belongs (the full checks say what is wrong), and for offsets without a version
+    counter."""
+    if type(tensors[0]) not in _PLAIN_TENSORS or validation.is_capturing(tensors[0].device):
         return None
     from flash_qla import dispatch
 
@@ -745,7 +750,7 @@ def _call_key(options: tuple, tensors: tuple, cu_seqlens, cu_seqlens_cpu) -> tup
     for x in tensors:
         if x is None:
             key.append(None)
-        elif type(x) is torch.Tensor:
+        elif type(x) in _PLAIN_TENSORS:
             key.append((x.shape, x.dtype, x.device))
         else:
             return None

@@ -140,7 +140,10 @@ class KeptPlans:
             return None
         if kept is None or not all(ref() is x for ref, x in zip(kept[0], tensors)):
             return None
-        self._plans.move_to_end(key)
+        try:
+            self._plans.move_to_end(key)
+        except KeyError:                 # dropped by another thread meanwhile: still valid
+            pass
         return kept[1]
 
     def keep(self, key: tuple | None, tensors: tuple, plan) -> None:
