@@ -66,7 +66,8 @@ FORWARD_CASES = [
                  r"Hv must be a positive multiple of q/k's Hk; got Hv=3, Hk=2",
                  id="hv-not-multiple-of-hk"),
     pytest.param(lambda: _with(base_call(), beta=torch.rand(B, T, HK)), ValueError,
-                 r"beta must have shape \[B, T, Hv\] = \[2, 8, 4\]; got \[2, 8, 2\]",
+                 r"beta must have shape \[B, T, Hv\] \(Hv: v's heads\) = \[2, 8, 4\]; "
+                 r"got \[2, 8, 2\]",
                  id="beta-heads"),
     # B / T across tensors
     pytest.param(lambda: _with(base_call(), v=torch.randn(1, T, HV, V)), ValueError,

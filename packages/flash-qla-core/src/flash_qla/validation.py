@@ -107,7 +107,7 @@ def check_per_head(name: str, x: torch.Tensor, v: torch.Tensor) -> None:
     """``x`` (g or beta) is ``[B, T, Hv]`` matching v."""
     check_rank(name, x, "[B, T, Hv]")
     check_batch_time(name, x, v)
-    check_shape(name, x, v.shape[:3], "[B, T, Hv]")
+    check_shape(name, x, v.shape[:3], "[B, T, Hv] (Hv: v's heads)")
 
 
 def check_qkv_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
