@@ -343,7 +343,9 @@ def check_bool(name: str, value: object, *, optional: bool = False) -> None:
         return
     if not isinstance(value, bool):
         kind = "a bool or None" if optional else "a bool"
-        raise TypeError(f"{name}: expected {kind}, got {type(value).__name__} {value!r}")
+        cls = type(value)           # numpy's bool type is also named "bool": say whose
+        where = "" if cls.__module__ == "builtins" else f"{cls.__module__}."
+        raise TypeError(f"{name}: expected {kind}, got {where}{cls.__qualname__} {value!r}")
 
 
 def check_backend(
