@@ -89,7 +89,8 @@ def run_shape(shape, args):
     def forward(host_offsets=None):
         return state_output(q_p, k_p, v_p, g_cumsum, beta_p, A, layout, arch=arch,
                             scale=scale, initial_state=h0, num_chunks=None,
-                            alloc=torch.empty, cu_seqlens_cpu=host_offsets)
+                            alloc=torch.empty,
+                            order=cta_order(arch, host_offsets, Hv, q.device, layout.cu_seqlens))
 
     longest = int((lens.max() + 63) // 64)                 # chunks of the longest sequence
     sms = torch.cuda.get_device_properties(0).multi_processor_count
