@@ -160,8 +160,10 @@ def test_longest_first_grid_matches_grid_order(training, fused, monkeypatch):
     fused backward or the reverse sweep. Each CTA's work is the same in either order:
     o, the final states and every gradient equal the grid-order run's bit for bit, and
     o and the final states match the fp64 recurrence."""
+    from flash_qla import api
+    from flash_qla.offsets import KeptPlans
     from flash_qla_sm90.arch import served_arch
-    from flash_qla_tl import backward, forward, layout
+    from flash_qla_tl import forward, layout
     from tests.helpers import force_fused_backward
 
     if fused is not None:
@@ -184,9 +186,12 @@ def test_longest_first_grid_matches_grid_order(training, fused, monkeypatch):
         return [o, final, *torch.autograd.grad(loss, [args[n] for n in names])]
 
     ordered = run()
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "cta_order",
-                            lambda arch, cu_cpu, Hv, device, cu=None: (layout.no_walk(device), 0))
+    # the order is the forward's launch plan's (the backward takes the forward's plan):
+    # no order, and no plan kept from the first run (neither the call's nor the launch's)
+    monkeypatch.setattr(forward, "cta_order",
+                        lambda arch, cu_cpu, Hv, device, cu=None: (layout.no_walk(device), 0))
+    monkeypatch.setattr(forward, "_PLANS", KeptPlans(64))
+    monkeypatch.setattr(api, "_CALLS", KeptPlans(64))
     in_grid_order = run()
     for a, b in zip(ordered, in_grid_order, strict=True):
         assert torch.equal(a, b)
