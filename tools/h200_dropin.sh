@@ -5,7 +5,8 @@
 #   tests    pytest -m gpu on TEST_PATHS (default: all of tests/)
 #   ptests   pytest on each ";"-separated group of TEST_GROUPS, side by side (one GPU)
 #   fwd/bwd  bench on FWD_ROWS / BWD_ROWS (bench --shapes; default: README's rows) with
-#            PEERS, one worker per implementation and mode; BENCH_ARGS: options
+#            PEERS (FWD_PEERS / BWD_PEERS: per mode), one worker per implementation
+#            and mode; BENCH_ARGS: options
 #            (default --dense-batch); FWD_TAG / BWD_TAG: results file
 #            stems (default H200-fwd / H200-bwd)
 #   proof    pytest on PROOF_TESTS under FLASH_QLA_PROOF_ARCH=${PROOF_ARCH:-sm100} (the
@@ -73,7 +74,8 @@ if has decode; then
   echo "decode: rc=$?"
 fi
 FQ=""; [ -d .offline-gpu/peers/flashqla ] && FQ="--flashqla-path .offline-gpu/peers/flashqla"
-B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} --peers ${PEERS:-host-offsets,fla-routed,flashqla} ${BENCH_ARGS:---dense-batch}"
+B="python3 benchmark/bench_gated_delta_rule.py --out $R --worker-per mode $FQ --fla-tuning cached --fla-tune-rep-ms ${FLA_TUNE_REP_MS:-10} ${BENCH_ARGS:---dense-batch}"
+PEERS=${PEERS:-host-offsets,fla-routed,flashqla}
 if has first; then
   for order in "" --step-first; do
     timeout "$(cap 60)" python3 tools/first_use.py $order > "$R/first-use${order}.txt" 2>&1
@@ -91,11 +93,11 @@ if has host; then   # one process per implementation and call: host timings alon
   done
 fi
 if has fwd; then
-  timeout "$(cap ${FWD_TIMEOUT:-240})" $B --mode fwd --shapes "$FWD_ROWS" --tag "${FWD_TAG:-H200-fwd}" \
+  timeout "$(cap ${FWD_TIMEOUT:-240})" $B --mode fwd --peers "${FWD_PEERS:-$PEERS}" --shapes "$FWD_ROWS" --tag "${FWD_TAG:-H200-fwd}" \
     --deadline-s "$(cap 200)" > "$R/fwd.txt" 2>&1
 fi
 if has bwd; then
-  timeout "$(cap ${BWD_TIMEOUT:-300})" $B --mode bwd --shapes "$BWD_ROWS" --tag "${BWD_TAG:-H200-bwd}" \
+  timeout "$(cap ${BWD_TIMEOUT:-300})" $B --mode bwd --peers "${BWD_PEERS:-$PEERS}" --shapes "$BWD_ROWS" --tag "${BWD_TAG:-H200-bwd}" \
     --deadline-s "$(cap 260)" > "$R/bwd.txt" 2>&1
 fi
 if has cache; then
