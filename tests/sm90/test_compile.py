@@ -152,11 +152,12 @@ def test_pool_forward_reads_and_writes_only_the_pool(kernel, ctype):
 
 
 def test_states_only_forward_skips_o():
-    """chunk_fwd_ws with ``states_only`` (the backward's recompute of h): three state
-    WGMMAs per chunk, no Q K^T on the aux warpgroup, and o never written."""
+    """chunk_fwd_ws with ``states_only`` (the backward's recompute of h): four state
+    WGMMAs per chunk ((K S0)^T, U^T's register and shared-memory halves, (U^T D) K), no
+    Q K^T on the aux warpgroup, and o never written."""
     builder, args = variant("fwd_ws_states")
     src = _source(builder, *args)
-    assert src.count("tl::wgmma_rs<") == 3 and "wgmma_ss<" not in src
+    assert src.count("tl::wgmma_rs<") == 3 and src.count("tl::wgmma_ss<") == 1
     assert not re.search(r"\bo\[", src)
 
 

@@ -209,6 +209,11 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     under = arch.mma == "wgmma"
     decay_under_qs = under and not states_only and not pool
     o_scale_under_ks = under and not states_only
+    #: U^T = R Ag^T with R's V^T term taken by the tensor cores from shared memory (an SS
+    #: WGMMA, V^T Ag^T, after the RS one of -((K S0)^T E) Ag^T; in the other order ptxas
+    #: spilled): the state warpgroups no longer read v's tile transposed element by
+    #: element. Not on mma.sync: there it raised SM100's spills.
+    v_by_mma = under
 
     @T.macro
     def load_chunk(q, k, v, A, empty, loaded, q_s, k_s, v_s, ag_s, t0, hk, h, c):
@@ -464,10 +469,18 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                         for i, t in T.Parallel(V, SC):
                             ot[i, t] = ot[i, t] * eg_s[ss, t]
                     wait(0)
-                    for i, t in T.Parallel(V, SC):
-                        r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
-                    gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
-                                 clear_accum=True, policy=ROWS)                   # U^T
+                    if v_by_mma:
+                        for i, t in T.Parallel(V, SC):
+                            r_b[i, t] = -eg_s[ss, t] * ks[i, t]
+                        gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
+                                     clear_accum=True, policy=ROWS)     # -((K S0)^T E) Ag^T
+                        gemm(v_s[ss, :, :], ag_s[ss, :, :], ks, transpose_A=True,
+                                     transpose_B=True, policy=ROWS)     # U^T += V^T Ag^T
+                    else:
+                        for i, t in T.Parallel(V, SC):
+                            r_b[i, t] = v_s[ss, t, i] - eg_s[ss, t] * ks[i, t]
+                        gemm(r_b, ag_s[ss, :, :], ks, transpose_B=True,
+                                     clear_accum=True, policy=ROWS)               # U^T
                     wait(0)
                     if states_only:
                         for i, t in T.Parallel(V, SC):
