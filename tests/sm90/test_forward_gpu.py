@@ -200,10 +200,12 @@ def test_longest_first_grid_matches_grid_order(training, fused, monkeypatch):
     assert rel_l2(ordered[1], final_ref) < TOL[case.dtype]
 
 
-def test_captured_forward_keeps_the_eager_calls_grid_order():
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_captured_forward_keeps_the_eager_calls_grid_order(cu_dtype, monkeypatch):
     """A forward captured with device offsets only, after an eager call on the same
     offsets tensor, launches the longest-first order that call made (kept for the
-    graph's life), and its replays equal the eager call bit for bit."""
+    graph's life), and its replays equal the eager call bit for bit; int64 offsets
+    (FLA's convention, which the kernels read as an int32 copy) too."""
     from flash_qla_sm90.arch import served_arch
     from flash_qla_tl import layout
 
@@ -211,6 +213,8 @@ def test_captured_forward_keeps_the_eager_calls_grid_order():
         pytest.skip(f"{served_arch().name} keeps grid order (Arch.ordered_grid)")
     case = _varlen([64, 1, 150, 0, 999, 300, 77], 16, 32, pad=3)
     inp = make_inputs(case, seed=9)
+    inp["cu_seqlens"] = inp["cu_seqlens"].to(cu_dtype)
+    monkeypatch.setattr(layout, "_GRAPH_ORDERS", {})     # set by this capture, or absent
     with torch.inference_mode():
         eager = flash_qla.chunk_gated_delta_rule(**inp, output_final_state=True)
         stream = torch.cuda.Stream()

@@ -75,7 +75,10 @@ def launch_plan(arch: Arch, q, Hv: int, cu_seqlens, cu_seqlens_cpu, *,
         counted = capturing or chunks_known(layout, cu_seqlens_cpu)    # no sync
         plan_ = LaunchPlan(layout, output_alloc(layout, cu_seqlens_cpu, B * T, arch=arch),
                            total_chunks(layout, cu_seqlens_cpu) if counted else None,
-                           cta_order(arch, cu_seqlens_cpu, Hv, q.device, layout.cu_seqlens))
+                           # the caller's offsets tensor (not the layout's int32 copy,
+                           # new in every call): inside a capture, the copy an eager call
+                           # kept of it gives the order
+                           cta_order(arch, cu_seqlens_cpu, Hv, q.device, cu_seqlens))
         _PLANS.keep(key, (cu_seqlens, cu_seqlens_cpu), plan_)
     return plan_
 
