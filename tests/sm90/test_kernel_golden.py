@@ -5,7 +5,8 @@ state-pool variants: when they merged, after it; the decode kernel's: after it t
 prefill's pool dtypes and layouts and beta as given, with its padding rows written; the
 prepare's: after its inverse became the register-chained doubling of
 ``unit_lower_inverse``;
-the forward's: after its chain took one WGMMA in flight at a time, at 192 / 120),
+the forward's: after its chain took one WGMMA in flight at a time, at 192 / 120, and
+after U^T became two products, V^T Ag^T from shared memory),
 reduction workspaces renamed as ``tests.kernel_build.normalised`` does):
 moving the kernels and threading :class:`flash_qla_tl.arch.Arch` through them changes
 no Hopper kernel (hence no cache entry and no measured figure). Lowering only (TileLang,

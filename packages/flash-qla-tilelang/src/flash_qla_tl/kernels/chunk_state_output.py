@@ -13,11 +13,15 @@ G_ij = exp(gam_i - gam_j) for i >= j):
     O^T  = scale (O^T E + U^T P^T)
     S1^T = exp(gam_C) S0^T + (U^T D) K                                # [V, K]
 
+On WGMMA, U^T is two products: -((K S0)^T E) Ag^T from registers, then V^T Ag^T
+accumulated from the slot's v tile in shared memory (``v_by_mma``), so the state
+warpgroups never read v element by element.
+
 Every exponent is <= 0 and evaluated as exp2 of log2-scaled gates. Three warpgroups per
 CTA, roles fixed by ``T.ws``:
 
 - warpgroups 0, 1 (state, 64 rows of S^T each, in registers): per chunk only the
-  register-A WGMMA chain above and its element-wise steps;
+  WGMMA chain above (register A but for V^T Ag^T) and its element-wise steps;
 - warpgroup 2 (aux): prepares chunk c into slot c % SLOTS while the state warpgroups
   work on an earlier chunk: its q, k, v, A tiles arrive by TMA issued one chunk ahead
   by one elected thread (rows past the sequence's end are zeroed in shared memory once
