@@ -157,3 +157,19 @@ def test_api_kept_plan_never_hides_an_error():
     o, final_state = run()
     fresh_o, fresh_final = run(cu=torch.tensor([0, 90, 150]))
     assert torch.equal(o, fresh_o) and torch.equal(final_state, fresh_final)
+
+
+def test_dispatch_clear_cache_forgets_every_kept_plan():
+    """``flash_qla.dispatch.clear_cache`` (backends re-discovered, kernels reloaded)
+    leaves no call plan holding a kernel of before: every :class:`offsets.KeptPlans`
+    is emptied, the API's and any other."""
+    from flash_qla import dispatch
+
+    q, k, v, g, beta = _inputs()
+    flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 60, 150]),
+                                     backend="torch")
+    other = offsets.KeptPlans(4)
+    other.keep(("signature",), (), "plan")
+    assert len(api._CALLS) > 0 and len(other) == 1
+    dispatch.clear_cache()
+    assert len(api._CALLS) == 0 and len(other) == 0

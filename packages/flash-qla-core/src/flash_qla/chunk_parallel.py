@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .offsets import bounds as sequence_bounds
 from .reference import (
     _chunk_backward,
     _chunk_forward,
     _compute_dtype,
     _expand_heads,
     _reduce_heads,
-    _sequence_bounds,
 )
 
 __all__ = ["chunk_gated_delta_rule_bwd_parallel"]
@@ -178,7 +178,7 @@ def chunk_gated_delta_rule_bwd_parallel(q: Tensor, k: Tensor, v: Tensor, g_cumsu
     Hv, V = v.shape[2], v.shape[3]
     C = chunk_size
     dtype = _compute_dtype(q.dtype)
-    plan = _plan(B, T, _sequence_bounds(cu_seqlens, cu_seqlens_cpu), C, q.device)
+    plan = _plan(B, T, sequence_bounds(cu_seqlens, cu_seqlens_cpu), C, q.device)
     NT, N = plan.rows.shape[0], len(plan.offsets) - 1
 
     def flat(x):                                                         # [B,T,...] -> [B*T,...]

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .reference import _sequence_bounds
+from .offsets import bounds as sequence_bounds
 from .validation import check_cu_seqlens_kind, check_index, state_dtype
 
 __all__ = [
@@ -431,7 +431,7 @@ class CPKernels:
         :func:`resolve_cp_context`). One all-gather of ``Hv * K * (K + V) + 6`` elements
         of the state dtype per rank."""
         lay = self.layout
-        bounds = _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
+        bounds = sequence_bounds(cu_seqlens, cu_seqlens_cpu)
         N, (Hv, V), K = len(bounds) - 1, v.shape[2:], q.shape[3]
         receives, sends = lay.pre > 0, lay.post > 0
         through = receives and sends and N == 1          # the slice lies inside a sequence
@@ -488,7 +488,7 @@ class CPKernels:
         initial state, and zero on entry 0 of a rank with ``pre_num_ranks > 0`` (that
         entry is not read). One all-gather of ``Hv * K * V`` elements per rank."""
         lay = self.layout
-        bounds = _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
+        bounds = sequence_bounds(cu_seqlens, cu_seqlens_cpu)
         N, (Hv, V), K = len(bounds) - 1, v.shape[2:], q.shape[3]
         receives, sends = lay.pre > 0, lay.post > 0
         h0 = _with_first(initial_state, self._incoming, N) if receives else initial_state

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from flash_qla import offsets
 from flash_qla.backend import KERNEL_API_VERSION, BackendSpec
 
 __all__ = [
@@ -225,11 +226,9 @@ def discover(*, refresh: bool = False) -> tuple[dict[str, BackendSpec], list[Plu
 
 def clear_cache() -> None:
     """Forget discovered backends, loaded kernels, picks and device capabilities, and
-    the call plans that hold loaded kernels (``flash_qla.api``)."""
-    from flash_qla import api
-
+    the kept call plans, which hold loaded kernels (``flash_qla.offsets.clear_plans``)."""
     global _discovery, _warned_failures
-    api._CALLS.clear()
+    offsets.clear_plans()
     with _lock:
         _discovery = None
         _warned_failures = False

@@ -22,7 +22,8 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["KeptPlans", "clear_cache", "host_offsets", "kept_offsets", "read_offsets"]
+__all__ = ["KeptPlans", "bounds", "clear_cache", "clear_plans", "host_offsets", "kept_offsets",
+           "read_offsets"]
 
 #: How many offsets tensors keep their host copy (most recent first out last).
 CACHE_SIZE = 16
@@ -49,6 +50,16 @@ def read_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     if cu_seqlens.device.type == "cpu":
         return cu_seqlens
     return _kept_copy(cu_seqlens)
+
+
+def bounds(cu_seqlens: torch.Tensor | None,
+           cu_seqlens_cpu: torch.Tensor | None) -> list[int] | None:
+    """The offsets ``[N+1]`` as Python ints: from ``cu_seqlens_cpu`` when given, else
+    :func:`read_offsets` of ``cu_seqlens`` (one read per tensor); None when neither is
+    given (a dense call)."""
+    if cu_seqlens_cpu is not None:
+        return cu_seqlens_cpu.tolist()
+    return None if cu_seqlens is None else read_offsets(cu_seqlens).tolist()
 
 
 def _copy_to_host(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -103,6 +114,18 @@ def host_offsets(cu_seqlens: torch.Tensor | None,
     return read_offsets(cu_seqlens)
 
 
+#: Every :class:`KeptPlans` (the API's call plans, a backend's launch plans), for
+#: :func:`clear_plans`.
+_every_plans: weakref.WeakSet = weakref.WeakSet()
+
+
+def clear_plans() -> None:
+    """Forget every plan kept by any :class:`KeptPlans` (``flash_qla.dispatch.clear_cache``:
+    a call plan holds the kernels it picked)."""
+    for plans in list(_every_plans):
+        plans.clear()
+
+
 class KeptPlans:
     """Plans of calls kept per signature and offsets tensors, the ``size`` most recent.
 
@@ -116,6 +139,7 @@ class KeptPlans:
     def __init__(self, size: int):
         self.size = size
         self._plans: OrderedDict[tuple, tuple[tuple, object]] = OrderedDict()
+        _every_plans.add(self)
 
     @staticmethod
     def key(signature: tuple, tensors: tuple) -> tuple | None:

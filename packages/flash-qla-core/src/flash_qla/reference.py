@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .offsets import bounds as sequence_bounds
+
 __all__ = [
     "TORCH_KERNELS",
     "chunk_gated_delta_rule_bwd_torch",
@@ -50,15 +52,6 @@ __all__ = [
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 stays fp64; every other dtype (bf16, fp16, fp32) computes in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _sequence_bounds(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None) -> list[int] | None:
-    """``cu_seqlens`` as a Python list of N+1 offsets (host copy preferred), or None."""
-    if cu_seqlens_cpu is not None:
-        return [int(x) for x in cu_seqlens_cpu.tolist()]
-    if cu_seqlens is not None:
-        return [int(x) for x in cu_seqlens.cpu().tolist()]
-    return None
 
 
 def _spans(B: int, T: int, bounds: list[int] | None) -> list[tuple[slice, int, int]]:
@@ -168,7 +161,7 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     Hv, V = v.shape[2], v.shape[3]
     dtype = torch.promote_types(q.dtype, torch.float32)
     scale = K ** -0.5 if scale is None else scale
-    bounds = _sequence_bounds(cu_seqlens, None)
+    bounds = sequence_bounds(cu_seqlens, None)
     q_full, k_full = _expand_heads(q, Hv), _expand_heads(k, Hv)        # [B,T,Hv,K]
 
     o_pieces, finals = [], []
@@ -357,7 +350,7 @@ def chunk_gated_delta_rule_fwd_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     Hv, V = v.shape[2], v.shape[3]
     C = chunk_size
     dtype = _compute_dtype(q.dtype)
-    bounds = _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
+    bounds = sequence_bounds(cu_seqlens, cu_seqlens_cpu)
     q_full, k_full = _expand_heads(q, Hv), _expand_heads(k, Hv)    # [B,T,Hv,K]
 
     g_cumsum = q.new_zeros(B, T, Hv, dtype=dtype)                   # [B,T,Hv]
@@ -563,7 +556,7 @@ def chunk_gated_delta_rule_bwd_torch(q: Tensor, k: Tensor, v: Tensor, g_cumsum: 
     Hv, V = v.shape[2], v.shape[3]
     C = chunk_size
     dtype = _compute_dtype(q.dtype)
-    bounds = _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
+    bounds = sequence_bounds(cu_seqlens, cu_seqlens_cpu)
     q_full, k_full = _expand_heads(q, Hv), _expand_heads(k, Hv)    # [B,T,Hv,K]
 
     dq = q.new_zeros(B, T, Hv, K, dtype=dtype)                      # [B,T,Hv,K]
@@ -645,7 +638,7 @@ class _TorchKernels:
                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                output_final_state=False, output_h=False)[:2]
         walk, h0_from = (x.tolist() for x in starts(g_cumsum))       # [Nseg][Hv] each
-        bounds = _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
+        bounds = sequence_bounds(cu_seqlens, cu_seqlens_cpu)
         Hk, (Hv, V) = q.shape[2], v.shape[2:]
         o = torch.zeros_like(v)                                      # [1,T,Hv,V]
         final = torch.zeros(len(walk), Hv, q.shape[3], V, dtype=g_cumsum.dtype,

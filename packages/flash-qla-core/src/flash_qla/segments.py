@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backend import keeps_states, searches_walks
+from .offsets import bounds
 from .validation import is_capturing
 
 __all__ = ["DEFAULT_SEGMENT_LEN", "DEFAULT_SHORTCUT_BOUND", "WalkEnds", "WalkStarts",
@@ -72,11 +73,7 @@ def host_bounds(B: int, T: int, cu_seqlens: Tensor | None,
     else ``cu_seqlens`` (from ``cu_seqlens_cpu`` when given; otherwise a host sync)."""
     if cu_seqlens is None:
         return [b * T for b in range(B + 1)]
-    if cu_seqlens_cpu is not None:           # validated int32 / int64: Python ints
-        return cu_seqlens_cpu.tolist()
-    from .reference import _sequence_bounds  # lazily: `import flash_qla` stays light
-
-    return _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
+    return bounds(cu_seqlens, cu_seqlens_cpu)
 
 
 def _with_batch(x: Tensor, B: int, T: int) -> Tensor:
