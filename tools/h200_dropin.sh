@@ -18,7 +18,11 @@
 #            (default: ours flashqla fla) on HOST_SHAPES, forward and training step;
 #            HOST_ARGS: more options (e.g. --dense-batch); HOST_TRACE=1: torch profiler
 #            timelines too (in results.tar.xz)
-#   cache    the cache as $OUT/tilelang-cache.tar.xz (for the next call's carry)
+#   cache    the cache as $OUT/tilelang-cache.tar.xz (for the next call's carry), and
+#            Triton's autotune results (FLA's tunings, *.autotune.json) as
+#            $OUT/triton-autotune.tar.xz: put it in .offline-gpu/ and the next call's FLA
+#            skips the autotune of every (kernel, key) tuned before (H100 and H200 share
+#            Triton's target, sm_90)
 # Results: $OUT/results.tar.xz, tables printed last. Usage, on the H200, repo root:
 #   STAGES="compile tests cache" bash tools/h200_dropin.sh
 set -uo pipefail
@@ -32,6 +36,8 @@ cap() { local left=$(( BUDGET - SECONDS - 15 )); (( left < 1 )) && left=1; echo 
 CACHE=/tmp/tilelang-cache; mkdir -p "$CACHE"
 [ -d .offline-gpu/tilelang-cache ] && cp -r .offline-gpu/tilelang-cache/. "$CACHE"/
 export TILELANG_CACHE_DIR=$CACHE
+export TRITON_CACHE_DIR=/tmp/triton-cache; mkdir -p "$TRITON_CACHE_DIR"
+[ -f .offline-gpu/triton-autotune.tar.xz ] && tar xJf .offline-gpu/triton-autotune.tar.xz -C "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if has compile; then
   start=$SECONDS
@@ -102,6 +108,8 @@ if has bwd; then
 fi
 if has cache; then
   tar cJf "$OUT/tilelang-cache.tar.xz" -C "$CACHE" --exclude='*/cuda-binaries' --exclude='*/.staging' .
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | grep -q . &&
+     find . -name '*.autotune.json' | tar cJf "$OUT/triton-autotune.tar.xz" -T -)
 fi
 tar cJf "$OUT/results.tar.xz" -C "$R" .
 for f in "$R"/gpu-tests*.txt; do [ -f "$f" ] && grep -E "^FAILED|^ERROR|passed|failed" "$f" | tail -8; done
