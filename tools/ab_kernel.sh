@@ -33,7 +33,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   PT="python3 -m pytest -q -p no:cacheprovider -rfE --durations=3 -m gpu"
   timeout $L $PT tests/sm90/test_forward_gpu.py > "$R/t-forward.txt" 2>&1 &
   timeout $L $PT tests/sm90/test_drop_in_gpu.py tests/sm90/test_compile_api_gpu.py tests/core \
-    > "$R/t-dropin-core.txt" 2>&1 &
+    tests/sm90/test_chunk_layout.py tests/test_gdr_unit.py > "$R/t-dropin-core.txt" 2>&1 &
   timeout $L $PT tests/sm90/test_backward_gpu.py > "$R/t-backward.txt" 2>&1 &
   timeout $L $PT tests/sm90/test_bwd_fused_gpu.py > "$R/t-fused.txt" 2>&1 &
   wait
