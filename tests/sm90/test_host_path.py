@@ -402,7 +402,7 @@ def test_stored_states_of_a_chunkless_batch_keep_one_row_for_tma(sm90_without_la
     p = backward.pack(q, k, v, g, beta, A, do, cu, arch=SM90)
     _, _, h = forward.state_output(p.q, p.k, p.v, p.g_cumsum, p.beta, p.A, p.layout,
                                    arch=SM90, scale=1.0, initial_state=None, num_chunks=0,
-                                   alloc=torch.empty, h_in_dtype=True)
+                                   alloc=torch.empty, h_in_dtype=True, order=p.plan.order)
     dS1, _ = backward.state_grads(q, k, do, g, beta, A, arch=SM90, scale=1.0, dht=None,
                                   cu_seqlens=cu,
                                   cu_seqlens_cpu=cu, packed=p)

@@ -85,8 +85,7 @@ def launch_plan(arch: Arch, q, Hv: int, cu_seqlens, cu_seqlens_cpu, *,
 
 def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch, scale,
                  initial_state, num_chunks: int | None, alloc, walks=None,
-                 h_in_dtype: bool = False, states_only: bool = False,
-                 order: tuple | None = None):
+                 h_in_dtype: bool = False, states_only: bool = False, order: tuple):
     """Run the recurrence kernel (``chunk_fwd_ws_kernel`` built for ``arch``) on packed
     inputs.
 
@@ -98,8 +97,7 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
     itself (the sequences of ``layout`` are the segments). ``states_only`` (the
     backward's recompute of h): o is neither computed nor written (left as allocated).
     ``order``: the launch's CTA order arguments (:func:`layout.cta_order`, kept in
-    :class:`LaunchPlan`), the longest sequence first where the host offsets are known;
-    None: the grid in packing order.
+    :class:`LaunchPlan`), the longest sequence first where the host offsets are known.
     Returns ``(o [Tt, Hv, V], final_state [N, Hv, K, V], h)``.
     """
     Tt, Hk, K = q.shape
@@ -121,7 +119,7 @@ def state_output(q, k, v, g_cumsum, beta, A, layout: ChunkLayout, *, arch: Arch,
                                     states_only and store_h))
     kernel(q, k, v, g_cumsum, beta, A, layout.cu_seqlens, layout.chunk_offsets,
            h0, float(scale), o, final_state, h, *walk_args(walks, q.device),
-           *(order or cta_order(arch, None, Hv, q.device, layout.cu_seqlens)))
+           *order)
     if not store_h:
         return o, final_state, None
     return o, final_state, (h if rows else h[:0])      # a slice is an op: only when needed
