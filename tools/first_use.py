@@ -2,11 +2,12 @@
 
 Run it in a new process with the kernel cache filled (``TILELANG_CACHE_DIR``): it prints,
 in seconds, ``import torch``, the CUDA context, ``import flash_qla``, the backend's import
-(TileLang and the kernel modules), then the first forward and the first training step of
-one shape (its forward and its backward timed apart), with the time spent getting each
-kernel (from the kernel index, or the builder call: program built, cache key hashed,
-module loaded from disk) and the modules each phase imported listed apart, and whether
-TileLang's Python package was imported.
+(TileLang and the kernel modules), torch's own import for a backward given gradient
+tensors (timed apart: it is not this library's), then the first forward and the first
+training step of one shape (its forward and its backward timed apart), with the time
+spent getting each kernel (from the kernel index, or the builder call: program built,
+cache key hashed, module loaded from disk) and the modules each phase imported listed
+apart, and whether TileLang's Python package was imported.
 
 usage: python tools/first_use.py [--shape 4/8@1x8192] [--step-first]
 """
@@ -43,6 +44,12 @@ def main() -> None:
         return out
 
     timed("CUDA context", lambda: torch.zeros(1, device="cuda"))
+    # torch's own first-use cost, paid by any library's first backward that is given
+    # gradient tensors (torch.autograd's _make_grads imports the symbolic-shapes module,
+    # and with it sympy: 0.8 s on a 2-core CPU host, ~2.7 s on the H100 hosts); a
+    # training loop's loss.backward() (no gradient tensor) does not import it
+    timed("torch's import for backward(grads)",
+          lambda: __import__("torch.fx.experimental.symbolic_shapes"))
     flash_qla = timed("import flash_qla", lambda: __import__("flash_qla"))
     timed("import backend (host modules)", lambda: __import__("flash_qla_tl.backend"))
 
