@@ -110,6 +110,10 @@ FORWARD_CASES = [
                  r"k must be on q's device cpu; got meta", id="k-device"),
     pytest.param(lambda: _with(base_call(), beta=_meta(torch.rand(B, T, HV))), ValueError,
                  r"beta must be on q's device", id="beta-device"),
+    # q the odd one out: the message lists every tensor's device
+    pytest.param(lambda: _with(base_call(), q=_meta(torch.randn(B, T, HK, K))), ValueError,
+                 r"k must be on q's device meta; got cpu \(devices: q meta, k cpu, v cpu, ",
+                 id="q-device-odd-one-out"),
     pytest.param(lambda: _with(base_call(), initial_state=_meta(torch.zeros(B, HV, K, V))),
                  ValueError, r"initial_state must be on q's device", id="state-device"),
     pytest.param(lambda: _with(varlen_call(), cu_seqlens=_meta(torch.tensor([0, 3, 3, 7]))),

@@ -167,12 +167,15 @@ def check_initial_state_dtype(state: torch.Tensor, q: torch.Tensor) -> None:
 
 
 def check_same_device(tensors: dict[str, torch.Tensor | None], reference: str = "q") -> None:
-    """Every non-None tensor is on ``tensors[reference]``'s device."""
+    """Every non-None tensor is on ``tensors[reference]``'s device. The error lists every
+    tensor's device, so a call whose ``reference`` is the odd one out says so."""
     device = tensors[reference].device
     for name, x in tensors.items():
         if x is not None and x.device != device:
+            devices = ", ".join(f"{n} {t.device}" for n, t in tensors.items() if t is not None)
             raise ValueError(
-                f"{name} must be on {reference}'s device {device}; got {x.device}"
+                f"{name} must be on {reference}'s device {device}; got {x.device} "
+                f"(devices: {devices})"
             )
 
 
