@@ -6,7 +6,8 @@
 #   KERNEL   the file compared (default: the recurrence, kernels/chunk_state_output.py)
 #   BASE     the saved copy, e.g. `git show main:$KERNEL > .offline-gpu/ab/base.py`
 #            (under .offline-gpu/ so that it travels with the bundle's carry)
-#   AB       the runs in order, "new" (working tree) or "base" (default "new base new base")
+#   AB       the runs in order, "new" (working tree), "base" or the path of another saved
+#            copy (a third arm; default "new base new base")
 #   SH       tune_chunk_fwd.py's shapes; TESTS=0 skips the tests; END: seconds of the
 #            call the tests may run until (default 560)
 # Both versions' kernels must be in the carried cache (python -m flash_qla_sm90.precompile
@@ -23,7 +24,7 @@ BASE=${BASE:-.offline-gpu/ab/base.py}
 SH=${SH:-"16/32@seqs=5000+3000+2500+2000+2384+1500,16/16@1x32768,2/8@1x32768"}
 cp "$KERNEL" "$R/new.py"
 for v in ${AB:-new base new base}; do
-  if [ "$v" = new ]; then cp "$R/new.py" "$KERNEL"; else cp "$BASE" "$KERNEL"; fi
+  case $v in new) cp "$R/new.py" "$KERNEL" ;; base) cp "$BASE" "$KERNEL" ;; *) cp "$v" "$KERNEL" ;; esac
   echo "== $v" >> "$R/ab.txt"
   timeout 70 python3 benchmark/tune_chunk_fwd.py --shapes "$SH" >> "$R/ab.txt" 2>&1
 done
