@@ -21,7 +21,7 @@ def lowered(builder, *args):
     arch = args[0]
     target = tvm.target.Target(arch.target_dict)
     with tvm.transform.PassContext(opt_level=3, config=arch.kernel_pass_configs(
-            builder.pass_configs_for(arch))), target:
+            builder.pass_configs)), target:
         return tilelang.lower(builder.program(*args), target=target)
 
 

@@ -20,27 +20,22 @@ import tilelang
 from ..arch import Arch
 
 
-def arch_kernel(pass_configs: dict | Callable[[Arch], dict] | None = None) -> Callable:
+def arch_kernel(pass_configs: dict | None = None) -> Callable:
     """Decorator: ``program(arch, *static)`` (returning a ``T.prim_func``) -> a builder
     ``builder(arch, *static)`` returning the compiled kernel, built once per arguments.
-    ``pass_configs``: the kernel's own TileLang pass configs, on top of the arch's, or a
-    function of the arch returning them (a config only some targets take).
-    ``builder.program`` is the undecorated program and ``builder.pass_configs_for(arch)``
-    the kernel's own configs for ``arch`` (for compile-only checks that lower the same
-    function for other targets)."""
-
-    def own(arch: Arch) -> dict:
-        return dict((pass_configs(arch) if callable(pass_configs) else pass_configs) or {})
+    ``pass_configs``: the kernel's own TileLang pass configs, on top of the arch's.
+    ``builder.program`` is the undecorated program (for compile-only checks that lower
+    the same function for other targets)."""
 
     def wrap(program: Callable) -> Callable:
         @functools.cache
         def builder(arch: Arch, *static):
             return tilelang.compile(program(arch, *static), target=arch.target_dict,
-                                    pass_configs=arch.kernel_pass_configs(own(arch)))
+                                    pass_configs=arch.kernel_pass_configs(pass_configs))
 
         functools.update_wrapper(builder, program)
         builder.program = program
-        builder.pass_configs_for = own
+        builder.pass_configs = dict(pass_configs or {})
         return builder
 
     return wrap

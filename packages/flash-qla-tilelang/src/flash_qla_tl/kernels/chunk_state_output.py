@@ -102,13 +102,7 @@ AUX_BARRIER, STATE_BARRIER = 1, 2
 
 
 # Every synchronisation is written out (see the module docstring).
-@arch_kernel(pass_configs=lambda arch: {
-    tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
-    # every global access is in bounds by the kernel's own clamps and row tests; off
-    # only on the WGMMA builds (on the mma.sync builds its freed registers went to a
-    # 4-byte spill, ptxas sm_120a)
-    **({tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
-       if arch.mma == "wgmma" else {})})
+@arch_kernel(pass_configs={tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_state: bool,
                         store_h: bool, warmup: bool = False, h_in_dtype: bool = False,
                         states_only: bool = False, pool_dtype: str | None = None,
@@ -244,20 +238,10 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
 
     @T.macro
     def store_o(o, ot, scale, t0, rows, h):
-        """o[t0 + t, h, :] = scale * O^T[:, t] for the chunk's ``rows`` rows: through a
-        flat view of o, one int64 base per chunk and int32 offsets per element."""
-        if arch.mma == "wgmma":
-            o_flat = T.view(o, (Tt * Hv * V,))
-            base = T.alloc_var("int64", init=(T.cast(t0, "int64") * Hv + h) * V)
-            stride = T.alloc_var("int32", init=Hv * V)
-            for i, t in T.Parallel(V, SC):
-                if t < rows:
-                    o_flat[base + T.cast(t * stride + i, "int64")] = T.cast(
-                        ot[i, t] * scale, dtype)
-        else:
-            for i, t in T.Parallel(V, SC):
-                if t < rows:
-                    o[t0 + t, h, i] = T.cast(ot[i, t] * scale, dtype)
+        """o[t0 + t, h, :] = scale * O^T[:, t] for the chunk's ``rows`` rows."""
+        for i, t in T.Parallel(V, SC):
+            if t < rows:
+                o[t0 + t, h, i] = T.cast(ot[i, t] * scale, dtype)
 
     @T.prim_func
     def chunk_fwd_ws(
