@@ -193,6 +193,14 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     #: fp32 h (64 KB) is stored from the registers, and so is h in dtype on sub-chunks
     #: (the 32 KB tile does not fit beside SM120's slots)
     stage_h = store_h and h_in_dtype and SUBS == 1
+    #: o of a whole chunk leaves by TMA from a shared [C, V] tile (16 KB) on the WGMMA
+    #: builds: the state warpgroups write it transposed in shared memory instead of 32
+    #: scattered two-byte global stores per thread (the largest block of the state's
+    #: issue, ~30% of its stall samples: docs/perf-notes.md); a chunk cut by its
+    #: sequence's end keeps the per-thread stores (a box would write the next
+    #: sequence's rows). Not beside h's 32 KB tile (no room) nor on mma.sync builds.
+    stage_o = (arch.mma == "wgmma") and not states_only and not stage_h \
+        and SUBS == 1
     #: the backward's states on sub-chunks: one row per sub-chunk (its gradient kernel
     #: works per sub-chunk); fp32 h for the caller stays per 64-token chunk
     sub_rows = store_h and h_in_dtype and SUBS > 1
@@ -243,6 +251,20 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             if t < rows:
                 o[t0 + t, h, i] = T.cast(ot[i, t] * scale, dtype)
 
+    @T.macro
+    def store_o_staged(o, o_s, ot, scale, t0, h):
+        """o[t0:t0 + SC, h, :] = scale * (O^T)^T through the shared tile ``o_s`` ``[SC,
+        V]`` and one TMA store (a whole chunk): the state warpgroups write their rows of
+        O^T transposed into the tile and one elected thread stores it, after its
+        previous store has read the tile (long done: a chunk earlier)."""
+        T.tma_store_wait()
+        T.sync_threads(STATE_BARRIER, 256)
+        for i, t in T.Parallel(V, SC):
+            o_s[t, i] = T.cast(ot[i, t] * scale, dtype)
+        T.fence_proxy_async()                 # generic stores -> the TMA engine's reads
+        T.sync_threads(STATE_BARRIER, 256)
+        T.tma_copy(o_s, o[t0:t0 + SC, h, :])
+
     @T.prim_func
     def chunk_fwd_ws(
         q: T.Tensor((Tt, Hk, K), dtype),
@@ -278,6 +300,8 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             beta_s = T.alloc_shared((SC,), f32)
             if stage_h:                                       # state-only
                 h_s = T.alloc_shared((K, V), dtype)           # S0 of the chunk, for TMA
+            if stage_o:                                       # state-only
+                o_s = T.alloc_shared((SC, V), dtype)          # o of the chunk, for TMA
             qk = T.alloc_fragment((SC, SC), f32)             # Q K^T, then P
             gb = T.alloc_fragment((SC, SC), f32)             # G diag(beta), masked
             gam_next = T.alloc_fragment((SC,), f32)           # gates of the next chunk
@@ -337,6 +361,10 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                 # the state's first staged store
                 for i, j in T.Parallel(3, V):
                     h_s[i, j] = T.cast(0, dtype)
+                T.sync_threads()
+            if stage_o:                                       # (the same for o's tile)
+                for i, j in T.Parallel(3, V):
+                    o_s[i, j] = T.cast(0, dtype)
                 T.sync_threads()
             with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
                 if set_regs:
@@ -502,8 +530,19 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                             st[i, j] = st[i, j] * eg_s[ss, SC - 1]
                     T.gemm(du_b, k_s[ss, :, :], st, policy=ROWS)                 # + (U^T D) K
                     T.barrier_arrive(empty[ss])
-                    if warmup and not states_only:
+                    if warmup and stage_o:
                         if t0 >= out_bos:                     # not a warm-up chunk
+                            if rows == SC:
+                                store_o_staged(o, o_s, ot, scale, t0, h)
+                            else:
+                                store_o(o, ot, scale, t0, rows, h)
+                    elif warmup and not states_only:
+                        if t0 >= out_bos:                     # not a warm-up chunk
+                            store_o(o, ot, scale, t0, rows, h)
+                    elif stage_o:
+                        if rows == SC:
+                            store_o_staged(o, o_s, ot, scale, t0, h)
+                        else:
                             store_o(o, ot, scale, t0, rows, h)
                     elif not states_only:
                         store_o(o, ot, scale, t0, rows, h)
@@ -518,7 +557,7 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                 else:
                     for i, j in T.Parallel(V, K):
                         final_state[n, h, j, i] = st[i, j]
-                if stage_h:
-                    T.tma_store_wait()              # h_s read before the CTA's memory goes
+                if stage_h or stage_o:
+                    T.tma_store_wait()    # h_s / o_s read before the CTA's memory goes
 
     return chunk_fwd_ws
