@@ -233,6 +233,44 @@ def test_captured_forward_keeps_the_eager_calls_grid_order(cu_dtype, monkeypatch
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 11, 12, 13, 14)] + [
+    _varlen([1, 63, 0, 75, 130, 1], 1, 2, pad=37, dtype=torch.float16)], ids=lambda c: c.id)
+def test_inference_takes_beta_in_qs_dtype(case):
+    """An inference call with beta in q's dtype (as FLA's models pass it) hands it to the
+    prepare kernel as it is (which writes the recurrence's fp32 copy): o and the final
+    state equal bit for bit those of the call with the same beta in fp32, through the
+    automatic split too (the 60k-token case) and on a state pool, and match the fp64
+    recurrence; NaN in beta's padding changes nothing."""
+    inp = make_inputs(case, seed=5)
+    inp["beta"] = inp["beta"].to(case.dtype)
+    if case.pad:
+        inp["beta"][:, -case.pad:] = float("nan")
+    up = {**inp, "beta": inp["beta"].float()}
+    with torch.inference_mode():
+        o, final = flash_qla.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                                    auto_cp=True)
+        o32, final32 = flash_qla.chunk_gated_delta_rule(**up, output_final_state=True,
+                                                        auto_cp=True)
+        assert torch.equal(o, o32) and torch.equal(final, final32)
+        o_ref, final_ref = reference(inp)
+        assert rel_l2(o, o_ref) < TOL[case.dtype]
+        assert rel_l2(final, final_ref) < TOL[case.dtype]
+        if inp["cu_seqlens"] is None:
+            return
+        N, Hv = final.shape[:2]                 # a pool: slot N - n holds sequence n
+        slots = torch.arange(N, 0, -1, dtype=torch.int32, device="cuda")
+        pools = [torch.zeros(N + 2, Hv, 128, 128, device="cuda") for _ in range(2)]
+        for pool in pools:
+            pool[slots.long()] = inp["initial_state"]
+        outs = [flash_qla.chunk_gated_delta_rule(
+                    **{**args, "initial_state": pool}, state_indices=slots,
+                    output_final_state=True)[0]
+                for args, pool in zip((inp, up), pools, strict=True)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
+    assert rel_l2(outs[0], o_ref) < TOL[case.dtype]
+    assert rel_l2(pools[0][slots.long()], final_ref) < TOL[case.dtype]
+
+
 # NaN / Inf in tokens after cu_seqlens[-1] (a CUDA-graph bucket padded with stale memory):
 # last chunks that end mid-chunk read them.
 POISON_CASES = [CASES[11], _varlen(_lens(10, 1, 300, seed=4), 2, 4, pad=20), CASES[12],

@@ -83,13 +83,14 @@ def sm90_without_launches(built, monkeypatch):
 @pytest.fixture
 def fused_launches(monkeypatch):
     """The statics after (arch, dtype, K, V) of every launch of the forward kernel (and
-    of none of the prepare's, whose statics are (arch, dtype, K)), in order."""
+    of none of the prepare's), in order."""
     from flash_qla_tl import forward
 
     fused = []
     real = forward.launcher
     monkeypatch.setattr(forward, "launcher", lambda builder, *static: (
-        fused.append(static[4:]) if len(static) > 3 else None, real(builder, *static))[1])
+        fused.append(static[4:]) if builder is forward.chunk_fwd_ws_kernel else None,
+        real(builder, *static))[1])
     return fused
 
 

@@ -44,25 +44,29 @@ def test_shipped_cache_sits_in_the_arch_package():
 
 
 def _names(arch, dtype="bfloat16") -> list[tuple]:
-    return [(builder.__name__, args[4:]) for builder, args in
+    """(builder, statics after (arch, dtype, K, V); the prepare's after (arch, dtype,
+    K)) of ``arch``'s variants in ``dtype``."""
+    return [(builder.__name__, args[3:] if builder.__name__ == "chunk_prepare_kernel"
+             else args[4:]) for builder, args in
             precompile.variants(arch) if args[1:2] == (dtype,)]
 
 
 def test_variants_per_dtype():
-    """Per dtype (K = V = 128): the prepare, the forward's seven variants x initial
+    """Per dtype (K = V = 128): the prepare (beta in fp32 or q's dtype), the forward's
+    seven variants x initial
     state, the sweep's three x dht, the per-chunk gradients, the GVA sum, the fused
     reverse kernel x dht, the forward on a state pool (3 pool dtypes x 2 layouts), the decode
     step (no start state, or a start state / pool in 3 dtypes; x 2 layouts x beta in fp32 or
-    q's dtype): 31 + 16 = 47, none twice; and once, with no dtype, the varlen chunk
+    q's dtype): 32 + 16 = 48, none twice; and once, with no dtype, the varlen chunk
     layout and the padding zeros; every one built for the arch asked for."""
     from flash_qla_sm90.arch import SM90
 
     every = list(precompile.variants(SM90))
-    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 47 + 2
+    assert len(every) == len({(id(b), args) for b, args in every}) == 2 * 48 + 2
     assert {args[0] for _, args in every} == {SM90}
     for dtype in ("bfloat16", "float16"):
         assert sorted(_names(SM90, dtype)) == sorted(
-            [("chunk_prepare_kernel", ())]
+            [("chunk_prepare_kernel", ()), ("chunk_prepare_kernel", (dtype,))]
             + [("chunk_fwd_ws_kernel", (h0, *flags)) for h0 in (False, True)
                for flags in precompile.FWD_FLAGS]
             + [("chunk_bwd_dh_ws_kernel", (dht, *flags)) for dht in (False, True)
@@ -78,14 +82,14 @@ def test_variants_per_dtype():
 
 
 def test_sm120_ships_the_sub_chunk_backward_without_the_fused_kernel():
-    """SM120 (32-token sub-chunks, no fused backward): the prepare, the forward's seven
+    """SM120 (32-token sub-chunks, no fused backward): the prepares, the forward's seven
     variants x initial state, the forward on a state pool, the sweep without its boundary
     walks (which only feed the fused kernel) x dht, the sub-chunk gradient kernel, the
     GVA sum and the decode steps."""
     from flash_qla_sm120.arch import SM120
 
     names = _names(SM120)
-    assert len(names) == len(set(names)) == 1 + 7 * 2 + 6 + 2 * 2 + 1 + 1 + 16
+    assert len(names) == len(set(names)) == 2 + 7 * 2 + 6 + 2 * 2 + 1 + 1 + 16
     assert ("chunk_bwd_intra_split_kernel", ()) in names
     assert not [n for n in names if n[0] in ("chunk_bwd_intra_kernel",
                                              "chunk_bwd_fused_kernel")]
@@ -110,6 +114,6 @@ def test_an_arch_without_the_fused_backward_ships_neither_it_nor_its_boundary_sw
 
     two_kernels = replace(SM90, fused_backward=False)
     names = _names(two_kernels)
-    assert len(names) == 47 - 2 - 2
+    assert len(names) == 48 - 2 - 2
     assert not [n for n in names if n[0] == "chunk_bwd_fused_kernel"]
     assert ("chunk_bwd_dh_ws_kernel", (True, True, False, True)) not in names

@@ -237,6 +237,18 @@ def _kernel_beta(kernels, beta: torch.Tensor) -> torch.Tensor:
     return beta.to(dtype)
 
 
+def _inference_beta(kernels, beta: torch.Tensor, segment_len: int | None,
+                    shortcut_bound: float) -> torch.Tensor:
+    """beta for a forward without autograd: as the caller gave it where the backend's
+    forward converts it in its first kernel (``Kernels.fwd_converts_beta``) and the call
+    is one pass (no split, or the bounded one), else :func:`_kernel_beta` (the exact
+    split's passes would each convert their own copy)."""
+    if getattr(kernels, "fwd_converts_beta", False) and (
+            segment_len is None or uses_warmup(kernels, shortcut_bound)):
+        return beta
+    return _kernel_beta(kernels, beta)
+
+
 # --------------------------------------------------------------------------------------
 # Pre- and post-passes (differentiable torch ops around the autograd Function)
 # --------------------------------------------------------------------------------------
@@ -369,7 +381,7 @@ def _inference(q, k, v, g, beta, initial_state, scale, output_final_state, cu_se
     requires grad: prefill, evaluation), which would cost ~40 us of host time per call
     and keep g_cumsum and A alive. Returns ``(o, final_state)``."""
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
-    beta = _kernel_beta(kernels, beta)
+    beta = _inference_beta(kernels, beta, segment_len, shortcut_bound)
     _, _, o, _, final_state = _forward(q, k, v, g, beta, initial_state, scale,
                                        output_final_state, cu_seqlens, cu_seqlens_cpu,
                                        kernels, segment_len, shortcut_bound)

@@ -83,6 +83,9 @@ class Kernels(Protocol):
     # autograd Function converts beta to it once per training step (the forward and the
     # backward then receive it) instead of each pass converting its own copy. Only for
     # exact upcasts (bf16 / fp16 to fp32).
+    # Optional, with it: ``fwd_converts_beta = True``: ``fwd``, ``fwd_pool`` and
+    # ``fwd_warmup`` also take beta in q's dtype and convert it themselves (in their first
+    # kernel); a call without autograd then passes beta as it is (no conversion launch).
     # Optional: ``plan_segment_len(bounds, Hv, K, V, device, bounded, dominant=True)
     # -> int | None``, the backend's automatic segment-parallelism choice from host
     # sequence offsets ``bounds`` ``[N + 1]`` (None: no split) for the bounded split

@@ -184,9 +184,9 @@ def chunk_forward_on_pool(q, k, v, g, beta, *, scale, pool, state_indices,
     if use_gate_in_kernel:
         g = api.gate_from_params(g, A_log, dt_bias)
     q, k, v, g, beta = api._contiguous(q, k, v, g, beta)
-    beta = api._kernel_beta(kernels, beta)
     fwd_pool = getattr(kernels, "fwd_pool", None)
     if output_final_state and segment_len is None and fwd_pool is not None:
+        beta = api._inference_beta(kernels, beta, None, shortcut_bound)
         o = fwd_pool(q, k, v, g, beta, scale=scale, pool=pool, state_indices=state_indices,
                      v_first=v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         return o, pool

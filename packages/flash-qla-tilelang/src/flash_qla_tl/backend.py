@@ -26,6 +26,10 @@ class TileLangKernels:
 
     #: every kernel reads beta in fp32 (``flash_qla.backend.Kernels``, optional)
     beta_dtype = torch.float32
+    #: ... but the forward entry points also take it in q's dtype and convert it in
+    #: their first kernel (``flash_qla.backend.Kernels``, optional): an inference call
+    #: passes it as it is, without a conversion launch
+    fwd_converts_beta = True
     #: the training forward keeps h for the backward, in q's dtype, where
     #: ``plan.keep_states`` says so (``flash_qla.backend.Kernels``, optional)
     keeps_states = True

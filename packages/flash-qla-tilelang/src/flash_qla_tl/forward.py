@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from flash_qla.offsets import KeptPlans
+from flash_qla.utils import cast
 
 from . import layout as chunk_layout
 from . import plan
@@ -148,14 +149,24 @@ def _outputs(q, k_p, v, g_cumsum_p, beta_p, A_p, plan_: LaunchPlan, *, arch: Arc
 def _prepare(arch: Arch, plan_: LaunchPlan, q, k, g, beta):
     """The prepare kernel on the call's layout (:class:`LaunchPlan`): returns ``(k_p
     [Tt, Hk, K], beta_p [Tt, Hv] fp32, g_cumsum [Tt, Hv] fp32, A [Tt, Hv, C])`` (packed)
-    for the recurrence."""
-    k_p, beta_p = packed(k), packed(beta, torch.float32)         # [Tt, Hk, K], [Tt, Hv]
-    Tt, Hv = beta_p.shape
+    for the recurrence. beta in q's dtype is read as it is and converted by the kernel,
+    which writes beta_p (no conversion launch before it: ``TileLangKernels.
+    fwd_converts_beta``); any other dtype is converted here."""
+    k_p, beta_in = packed(k), packed(beta)                       # [Tt, Hk, K], [Tt, Hv]
+    Tt, Hv = beta_in.shape
     g_cumsum = plan_.alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
     A = plan_.alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
-    launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
-        k_p, packed(g, torch.float32), beta_p, plan_.layout.cu_seqlens,
-        plan_.layout.chunk_idx, g_cumsum, A)
+    args = (k_p, packed(g, torch.float32))
+    if beta_in.dtype == k_p.dtype and beta_in.dtype != torch.float32:
+        beta_p = plan_.alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
+        launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1],
+                 DTYPE_NAMES[beta_in.dtype])(
+            *args, beta_in, plan_.layout.cu_seqlens, plan_.layout.chunk_idx, g_cumsum, A,
+            beta_p)
+    else:
+        beta_p = cast(beta_in, torch.float32)                    # no copy when fp32
+        launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
+            *args, beta_p, plan_.layout.cu_seqlens, plan_.layout.chunk_idx, g_cumsum, A)
     return k_p, beta_p, g_cumsum, A
 
 

@@ -115,6 +115,7 @@ def _chunked_variants(arch: Arch, dtype: str, K: int, V: int):
     states have a row per sub-chunk), the fused kernel and the boundary sweep that feeds it where
     ``arch.fused_backward``."""
     yield chunk_prepare_kernel, (arch, dtype, K)
+    yield chunk_prepare_kernel, (arch, dtype, K, dtype)   # beta in q's dtype (inference)
     for has_h0 in (False, True):
         for store_h, *flags in FWD_FLAGS:
             yield chunk_fwd_ws_kernel, (arch, dtype, K, V, has_h0, store_h, *flags)

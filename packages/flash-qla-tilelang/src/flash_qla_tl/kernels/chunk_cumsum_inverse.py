@@ -27,17 +27,21 @@ BLOCK = 16
 
 
 @arch_kernel()
-def chunk_prepare_kernel(arch: Arch, dtype: str, K: int):
-    """Build the prepare kernel for ``arch``, q/k dtype ``dtype`` and key dim ``K``.
+def chunk_prepare_kernel(arch: Arch, dtype: str, K: int, beta_dtype: str = "float32"):
+    """Build the prepare kernel for ``arch``, q/k dtype ``dtype``, key dim ``K`` and
+    beta in ``beta_dtype`` (fp32, or q's dtype).
 
     Kernel arguments (packed token layout, Tt = total tokens, NTmax >= real chunks):
         k           [Tt, Hk, K]  dtype
         g           [Tt, Hv]     fp32, raw per-token log decay
-        beta        [Tt, Hv]     fp32
+        beta        [Tt, Hv]     beta_dtype
         cu_seqlens  [N+1]        int32
         chunk_idx   [NTmax, 2]   int32, (sequence, chunk within it); -1 rows are skipped
         g_cumsum    [Tt, Hv]     fp32 out
         A           [Tt, Hv, C]  dtype out
+        beta_f32    [Tt, Hv]     fp32 out, beta converted (only where ``beta_dtype`` is
+                                 not fp32: the copy the recurrence reads, written here
+                                 instead of by a conversion launch before the call)
 
     One CTA of 128 threads per (chunk, value head), its registers capped at 65536 /
     (128 x ``arch.prepare_min_ctas``) so that that many CTAs fit on an SM. K K^T (input
@@ -55,16 +59,11 @@ def chunk_prepare_kernel(arch: Arch, dtype: str, K: int):
     Tt, Hk, Hv, N1, NTmax = T.dynamic("Tt, Hk, Hv, N1, NTmax")
     f32, f16 = "float32", "float16"
 
-    @T.prim_func
-    def chunk_prepare(
-        k: T.Tensor((Tt, Hk, K), dtype),
-        g: T.Tensor((Tt, Hv), f32),
-        beta: T.Tensor((Tt, Hv), f32),
-        cu_seqlens: T.Tensor((N1,), "int32"),
-        chunk_idx: T.Tensor((NTmax, 2), "int32"),
-        g_cumsum: T.Tensor((Tt, Hv), f32),
-        A: T.Tensor((Tt, Hv, C), dtype),
-    ):
+    converts = beta_dtype != f32
+
+    @T.macro
+    def prepare(k, g, beta, cu_seqlens, chunk_idx, g_cumsum, A, beta_f32):
+        """The kernel's body (``beta_f32`` None: beta is fp32, no copy written)."""
         with T.Kernel(NTmax * Hv, threads=PREPARE_THREADS) as bid:
             T.import_source(unit_lower_inverse.CUDA_SOURCE)
             T.annotate_min_blocks_per_sm(arch.prepare_min_ctas)
@@ -89,7 +88,13 @@ def chunk_prepare_kernel(arch: Arch, dtype: str, K: int):
                 seq >= 0, T.min(cu_seqlens[T.max(seq, 0) + 1] - t0, C), 0))     # 0..C
             if seq >= 0:
                 for i in T.Parallel(C):
-                    beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
+                    if converts:
+                        beta_shared[i] = T.if_then_else(
+                            i < rows, T.cast(beta[t0 + i, h], f32), 0.0)
+                        if i < rows:
+                            beta_f32[t0 + i, h] = beta_shared[i]
+                    else:
+                        beta_shared[i] = T.if_then_else(i < rows, beta[t0 + i, h], 0.0)
                     g_shared[i] = T.if_then_else(i < rows, g[t0 + i, h], 0.0)
                 T.copy(k[t0:t0 + C, hk, :], k_shared)
                 T.gemm(k_shared, k_shared, acc_frag, transpose_B=True, clear_accum=True)
@@ -113,5 +118,31 @@ def chunk_prepare_kernel(arch: Arch, dtype: str, K: int):
                     if i < rows:
                         A[t0 + i, h, j] = T.cast(T.if_then_else(
                             j // B > i // B, 0.0, T.cast(ah_shared[i, j], f32)), dtype)
+
+    if converts:
+        @T.prim_func
+        def chunk_prepare(
+            k: T.Tensor((Tt, Hk, K), dtype),
+            g: T.Tensor((Tt, Hv), f32),
+            beta: T.Tensor((Tt, Hv), beta_dtype),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            chunk_idx: T.Tensor((NTmax, 2), "int32"),
+            g_cumsum: T.Tensor((Tt, Hv), f32),
+            A: T.Tensor((Tt, Hv, C), dtype),
+            beta_f32: T.Tensor((Tt, Hv), f32),
+        ):
+            prepare(k, g, beta, cu_seqlens, chunk_idx, g_cumsum, A, beta_f32)
+    else:
+        @T.prim_func
+        def chunk_prepare(
+            k: T.Tensor((Tt, Hk, K), dtype),
+            g: T.Tensor((Tt, Hv), f32),
+            beta: T.Tensor((Tt, Hv), f32),
+            cu_seqlens: T.Tensor((N1,), "int32"),
+            chunk_idx: T.Tensor((NTmax, 2), "int32"),
+            g_cumsum: T.Tensor((Tt, Hv), f32),
+            A: T.Tensor((Tt, Hv, C), dtype),
+        ):
+            prepare(k, g, beta, cu_seqlens, chunk_idx, g_cumsum, A, None)
 
     return chunk_prepare
