@@ -60,10 +60,36 @@ def split_by_role(header: list[str], rows: list[list[str]]):
     return dict(per_role), per_insn
 
 
+#: SASS that ends a step of a role: a wait for WGMMA results, an mbarrier's try-wait
+#: (its retry branch follows it) or a named barrier
+STEP_ENDS = ("WARPGROUP.DEPBAR", "SYNCS.PHASECHK", "BAR.SYNC")
+
+
+def split_by_step(per_insn) -> list[tuple]:
+    """Each role's instructions cut into steps, a step ending at a wait
+    (:data:`STEP_ENDS`): ``(role, first index, last index, samples, executed share of
+    the role's loop body, the step's last SASS)``. The samples of the instructions
+    between two waits are the time the role spends issuing that stretch (and waiting
+    on its operands), so a stretch of stores after the chain's last wait shows up as
+    its own step."""
+    steps, cur = [], None
+    for n, idx, role, source, _ in per_insn:
+        if cur is None or cur[0] != role:
+            cur = [role, idx, idx, 0, source]
+            steps.append(cur)
+        cur[2], cur[3], cur[4] = idx, cur[3] + n, source
+        if any(source.startswith(end) or end in source.split()[:1] for end in STEP_ENDS):
+            cur = [role, idx + 1, idx + 1, 0, ""]
+            steps.append(cur)
+    return [tuple(s) for s in steps if s[3]]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", help="ncu-sass.csv (or .csv.xz) of one kernel")
     p.add_argument("--top", type=int, default=25, help="instructions to list")
+    p.add_argument("--steps", action="store_true",
+                   help="also each role's samples per step between two waits")
     args = p.parse_args(argv)
     from tabulate import tabulate  # the bench extra; reading needs only the stdlib
 
@@ -72,6 +98,11 @@ def main(argv=None) -> None:
     print(tabulate([(k, s, f"{s / total:.1%}", e) for k, (s, e) in per_role.items()],
                    headers=["role", "samples", "share", "executed"]))
     print()
+    if args.steps:
+        print(tabulate([(r, f"{a}-{b}", n, f"{n / total:.1%}", src[:60])
+                        for r, a, b, n, src in split_by_step(per_insn)],
+                       headers=["role", "SASS #", "samples", "share", "ends at"]))
+        print()
     top = sorted(per_insn, reverse=True)[:args.top]
     print(tabulate([(n, f"{n / total:.1%}", i, r, s[:70], why) for n, i, r, s, why in top],
                    headers=["samples", "share", "#", "role", "SASS", "top stalls"]))
