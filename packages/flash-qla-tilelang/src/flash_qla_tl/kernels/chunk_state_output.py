@@ -38,6 +38,12 @@ masks, Q K^T) is left on the state chain, and the two state warpgroups never
 synchronise with each other. TileLang's automatic synchronisation is off for this
 kernel: it would put CTA-wide barriers between the role blocks and serialise them.
 
+o leaves by TMA: the state warpgroups write a whole chunk's O^T transposed into a shared
+[C, V] tile and one elected thread stores it (``store_o_staged``; the per-thread
+stores it replaced were 32% of the state's stall samples, and it took 6-10% off the
+kernel on the H100, docs/perf-notes.md). A chunk cut by its sequence's end, the
+variant that stages h and the mma.sync builds store o per thread (``store_o``).
+
 Sub-chunks (``arch.sub_chunk`` < 64: SM120, whose 99 KB of shared memory do not hold
 three slots of 64-token tiles): the loop walks 32-token tiles; a sub-chunk's inverse is
 the diagonal block of its chunk's A, its gates are rebased to its own start
@@ -196,9 +202,10 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
     #: o of a whole chunk leaves by TMA from a shared [C, V] tile (16 KB) on the WGMMA
     #: builds: the state warpgroups write it transposed in shared memory instead of 32
     #: scattered two-byte global stores per thread (the largest block of the state's
-    #: issue, ~30% of its stall samples: docs/perf-notes.md); a chunk cut by its
+    #: issue, 32% of its stall samples: docs/perf-notes.md); a chunk cut by its
     #: sequence's end keeps the per-thread stores (a box would write the next
-    #: sequence's rows). Not beside h's 32 KB tile (no room) nor on mma.sync builds.
+    #: sequence's rows). Not beside h's 32 KB tile (no room) nor on mma.sync builds
+    #: (their code, and the proof builds' GPU tests, stay as they were).
     stage_o = (arch.mma == "wgmma") and not states_only and not stage_h \
         and SUBS == 1
     #: the backward's states on sub-chunks: one row per sub-chunk (its gradient kernel
