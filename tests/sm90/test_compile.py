@@ -40,14 +40,22 @@ def test_prepare_runs_kkt_on_wgmma_and_the_inverse_on_register_chained_mma(dtype
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src
 
 
+def _cta_barriers(src: str) -> tuple[int, int]:
+    """``__syncthreads()`` of a warp-specialised kernel before its roles split (at the
+    aux's setmaxnreg) and after."""
+    head, _, roles = src.partition("tl::warpgroup_reg_dealloc<")
+    return head.count("__syncthreads()"), roles.count("__syncthreads()")
+
+
 def test_aux_warpgroup_forward_never_serialises_its_roles():
     """chunk_fwd_ws: the state chain is register-A WGMMAs; the roles meet only on the
-    slot mbarriers (the one CTA-wide barrier is the barrier initialisation)."""
+    slot mbarriers (the CTA-wide barriers come before the roles split: the mbarriers'
+    initialisation and the o tile's first write)."""
     from flash_qla_tl.kernels.chunk_state_output import chunk_fwd_ws_kernel
 
     src = _source(chunk_fwd_ws_kernel, "bfloat16", 128, 128, True, True)
     assert src.count("tl::wgmma_rs<") >= 5
-    assert src.count("__syncthreads()") == 1
+    assert _cta_barriers(src) == (2, 0)
     assert src.count("].arrive()") == 4      # full (aux), empty (state), loaded (aux: the
     #                                              first chunk's and the loop's)
     assert "tma_load" in src and "cp_async" not in src  # the aux's tiles arrive by TMA
@@ -148,7 +156,26 @@ def test_pool_forward_reads_and_writes_only_the_pool(kernel, ctype):
     assert "initial_state" not in src
     assert src.count("seq_index[") == 2
     assert "if (0 <= src) {" in src and "if (0 <= dst) {" in src
-    assert "tl::wgmma_rs<" in src and src.count("__syncthreads()") == 1
+    assert "tl::wgmma_rs<" in src and _cta_barriers(src) == (2, 0)
+
+
+@pytest.mark.parametrize("kernel", ["fwd_ws", "fwd_ws_warmup", "fwd_ws_pool_fp32"])
+def test_o_leaves_by_tma_from_a_tile_of_its_own(kernel, tmp_path):
+    """chunk_fwd_ws (WGMMA builds, no h tile): whole chunks of o leave by TMA from a
+    shared [C, V] tile (``store_o_staged``) with bytes of its own (the roles run at once,
+    so no buffer of the aux may share them), within the sm_90 block."""
+    builder, args = variant(kernel)
+    compiled = builder(SM90, *args)
+    src = compiled.get_kernel_source()
+    assert "tma_store(o_desc" in src
+    spans = _shared_spans(compiled)
+    lo, hi = spans["o_s"]
+    overlapping = {name: span for name, span in spans.items()
+                   if name != "o_s" and span[0] < hi and lo < span[1]}
+    assert hi - lo == 64 * 128 * 2 and not overlapping, spans
+    static = int(re.search(r"(\d+) bytes smem", ptxas_report(src, tmp_path)).group(1))
+    dynamic = max(dynamic_smem(compiled.get_host_source()))
+    assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
 
 
 def test_states_only_forward_skips_o():
