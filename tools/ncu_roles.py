@@ -78,7 +78,7 @@ def split_by_step(per_insn) -> list[tuple]:
             cur = [role, idx, idx, 0, source]
             steps.append(cur)
         cur[2], cur[3], cur[4] = idx, cur[3] + n, source
-        if any(source.startswith(end) or end in source.split()[:1] for end in STEP_ENDS):
+        if source.startswith(STEP_ENDS):
             cur = [role, idx + 1, idx + 1, 0, ""]
             steps.append(cur)
     return [tuple(s) for s in steps if s[3]]

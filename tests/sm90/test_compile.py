@@ -100,14 +100,21 @@ def test_staged_state_store_has_shared_memory_of_its_own(kernel, stage, out, tmp
     compiled = builder(SM90, *args)
     src = compiled.get_kernel_source()
     assert f"tma_store({out}_desc" in src and not re.search(rf"\b{out}\[", src)
+    # the 32 KB tile takes these kernels to the sm_90 block limit
+    _assert_tile_of_its_own(compiled, stage, 128 * 128 * 2, tmp_path)
+
+
+def _assert_tile_of_its_own(compiled, stage: str, size: int, tmp_path) -> None:
+    """The shared buffer ``stage`` of a compiled kernel has ``size`` bytes that no other
+    buffer shares, and the kernel fits the sm_90 block: dynamic + static (the
+    mbarriers, padded to the dynamic buffer's 1024-byte alignment) <= 227 KB."""
     spans = _shared_spans(compiled)
     lo, hi = spans[stage]
     overlapping = {name: span for name, span in spans.items()
                    if name != stage and span[0] < hi and lo < span[1]}
-    assert hi - lo == 128 * 128 * 2 and not overlapping, (stage, spans)
-    # the 32 KB tile takes these kernels to the sm_90 block limit: dynamic + static
-    # (the mbarriers, padded to the dynamic buffer's 1024-byte alignment) <= 227 KB
-    static = int(re.search(r"(\d+) bytes smem", ptxas_report(src, tmp_path)).group(1))
+    assert hi - lo == size and not overlapping, (stage, spans)
+    report = ptxas_report(compiled.get_kernel_source(), tmp_path)
+    static = int(re.search(r"(\d+) bytes smem", report).group(1))
     dynamic = max(dynamic_smem(compiled.get_host_source()))
     assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
 
@@ -166,16 +173,8 @@ def test_o_leaves_by_tma_from_a_tile_of_its_own(kernel, tmp_path):
     so no buffer of the aux may share them), within the sm_90 block."""
     builder, args = variant(kernel)
     compiled = builder(SM90, *args)
-    src = compiled.get_kernel_source()
-    assert "tma_store(o_desc" in src
-    spans = _shared_spans(compiled)
-    lo, hi = spans["o_s"]
-    overlapping = {name: span for name, span in spans.items()
-                   if name != "o_s" and span[0] < hi and lo < span[1]}
-    assert hi - lo == 64 * 128 * 2 and not overlapping, spans
-    static = int(re.search(r"(\d+) bytes smem", ptxas_report(src, tmp_path)).group(1))
-    dynamic = max(dynamic_smem(compiled.get_host_source()))
-    assert dynamic + static <= _SM90_MAX_DYNAMIC_SMEM, (dynamic, static)
+    assert "tma_store(o_desc" in compiled.get_kernel_source()
+    _assert_tile_of_its_own(compiled, "o_s", 64 * 128 * 2, tmp_path)
 
 
 def test_states_only_forward_skips_o():

@@ -156,17 +156,15 @@ def _prepare(arch: Arch, plan_: LaunchPlan, q, k, g, beta):
     Tt, Hv = beta_in.shape
     g_cumsum = plan_.alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
     A = plan_.alloc(Tt, Hv, CHUNK, dtype=k_p.dtype, device=k_p.device)
-    args = (k_p, packed(g, torch.float32))
     if beta_in.dtype == k_p.dtype and beta_in.dtype != torch.float32:
         beta_p = plan_.alloc(Tt, Hv, dtype=torch.float32, device=k_p.device)
-        launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1],
-                 DTYPE_NAMES[beta_in.dtype])(
-            *args, beta_in, plan_.layout.cu_seqlens, plan_.layout.chunk_idx, g_cumsum, A,
-            beta_p)
+        statics, outs = (DTYPE_NAMES[beta_in.dtype],), (beta_p,)   # the kernel converts
     else:
-        beta_p = cast(beta_in, torch.float32)                    # no copy when fp32
-        launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1])(
-            *args, beta_p, plan_.layout.cu_seqlens, plan_.layout.chunk_idx, g_cumsum, A)
+        beta_in = beta_p = cast(beta_in, torch.float32)          # no copy when fp32
+        statics, outs = (), ()
+    launcher(chunk_prepare_kernel, arch, DTYPE_NAMES[k_p.dtype], k_p.shape[-1], *statics)(
+        k_p, packed(g, torch.float32), beta_in, plan_.layout.cu_seqlens,
+        plan_.layout.chunk_idx, g_cumsum, A, *outs)
     return k_p, beta_p, g_cumsum, A
 
 
