@@ -91,8 +91,7 @@ FORWARD_CASES = [
                  r"g must have dtype in \(float32, bfloat16, float64\); got torch.float16",
                  id="g-dtype-fp16"),
     pytest.param(lambda: _with(base_call(), beta=torch.rand(B, T, HV).bfloat16()), TypeError,
-                 r"beta must have q's dtype \(torch.float32\) or torch.float32; "
-                 r"got torch.bfloat16",
+                 r"beta must have torch.float32 \(q's dtype\); got torch.bfloat16",
                  id="beta-dtype"),
     pytest.param(lambda: _with(base_call(), initial_state=torch.zeros(B, HV, K, V).double()),
                  TypeError, r"initial_state must have dtype in \(float32, bfloat16, float16\) "

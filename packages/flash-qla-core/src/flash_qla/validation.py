@@ -129,11 +129,10 @@ def check_gate_dtype(name: str, g: torch.Tensor) -> None:
 
 def check_beta_dtype(beta: torch.Tensor, q: torch.Tensor) -> None:
     """beta is in q's dtype or fp32."""
-    allowed = tuple(dict.fromkeys((q.dtype, torch.float32)))
-    if beta.dtype not in allowed:
-        raise TypeError(
-            f"beta must have q's dtype ({q.dtype}) or torch.float32; got {beta.dtype}"
-        )
+    if beta.dtype not in (q.dtype, torch.float32):
+        expected = ("torch.float32 (q's dtype)" if q.dtype == torch.float32
+                    else f"q's dtype ({q.dtype}) or torch.float32")
+        raise TypeError(f"beta must have {expected}; got {beta.dtype}")
 
 
 def state_dtype(q: torch.Tensor) -> torch.dtype:
