@@ -34,9 +34,10 @@ The roles meet only on per-slot mbarriers: "full" (aux -> state, 128 arrivals) a
 TMA loads instead of per-thread cp.async took ~260 address and predicate instructions
 per chunk off the aux warpgroup, the role the state waited for (3.71 -> 3.33 us per
 chunk, docs/perf-notes.md v18). Nothing state-independent (loads, gate exponentials,
-masks, Q K^T) is left on the state chain, and the two state warpgroups never
-synchronise with each other. TileLang's automatic synchronisation is off for this
-kernel: it would put CTA-wide barriers between the role blocks and serialise them.
+masks, Q K^T) is left on the state chain, and the two state warpgroups meet only
+where they hand a staged tile (o, or h) to one TMA store. TileLang's automatic
+synchronisation is off for this kernel: it would put CTA-wide barriers between the role
+blocks and serialise them.
 
 o leaves by TMA: the state warpgroups write a whole chunk's O^T transposed into a shared
 [C, V] tile and one elected thread stores it (``store_o_staged``; the per-thread
@@ -272,6 +273,18 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
         T.sync_threads(STATE_BARRIER, 256)
         T.tma_copy(o_s, o[t0:t0 + SC, h, :])
 
+    @T.macro
+    def store_o_chunk(o, o_s, ot, scale, t0, rows, h):
+        """The chunk's o: staged when it is whole and the build stages o, else per
+        thread (a cut chunk's box would write the next sequence's rows)."""
+        if stage_o:
+            if rows == SC:
+                store_o_staged(o, o_s, ot, scale, t0, h)
+            else:
+                store_o(o, ot, scale, t0, rows, h)
+        else:
+            store_o(o, ot, scale, t0, rows, h)
+
     @T.prim_func
     def chunk_fwd_ws(
         q: T.Tensor((Tt, Hk, K), dtype),
@@ -305,10 +318,11 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             # aux-only
             gam_s = T.alloc_shared((SC,), f32)                # log2-scaled gam
             beta_s = T.alloc_shared((SC,), f32)
-            if stage_h:                                       # state-only
-                h_s = T.alloc_shared((K, V), dtype)           # S0 of the chunk, for TMA
-            if stage_o:                                       # state-only
-                o_s = T.alloc_shared((SC, V), dtype)          # o of the chunk, for TMA
+            o_s = None                                        # state-only, for TMA:
+            if stage_h:
+                h_s = T.alloc_shared((K, V), dtype)           # S0 of the chunk
+            if stage_o:                                       # (never both)
+                o_s = T.alloc_shared((SC, V), dtype)          # o of the chunk
             qk = T.alloc_fragment((SC, SC), f32)             # Q K^T, then P
             gb = T.alloc_fragment((SC, SC), f32)             # G diag(beta), masked
             gam_next = T.alloc_fragment((SC,), f32)           # gates of the next chunk
@@ -359,19 +373,18 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
             empty = T.alloc_barrier([256] * SLOTS)
             loaded = T.alloc_barrier([128] * SLOTS)           # TMA -> aux, per slot
 
-            if stage_h:
-                # h_s is written only by the state warpgroups, but TileLang's planner
-                # reuses the bytes of buffers whose last use comes earlier in program
-                # order (the aux block's): a use by every thread before the roles split
-                # keeps it in bytes of its own (else a race: docs/perf-notes.md v17); a
-                # few rows suffice (one element per thread), the sync orders them before
-                # the state's first staged store
+            if stage_h or stage_o:
+                # h_s / o_s is written only by the state warpgroups, but TileLang's
+                # planner reuses the bytes of buffers whose last use comes earlier in
+                # program order (the aux block's): a use by every thread before the
+                # roles split keeps it in bytes of its own (else a race:
+                # docs/perf-notes.md v17); a few rows suffice (one element per thread),
+                # the sync orders them before the state's first staged store
                 for i, j in T.Parallel(3, V):
-                    h_s[i, j] = T.cast(0, dtype)
-                T.sync_threads()
-            if stage_o:                                       # (the same for o's tile)
-                for i, j in T.Parallel(3, V):
-                    o_s[i, j] = T.cast(0, dtype)
+                    if stage_h:
+                        h_s[i, j] = T.cast(0, dtype)
+                    else:
+                        o_s[i, j] = T.cast(0, dtype)
                 T.sync_threads()
             with T.ws(2):                                     # aux: chunk c into slot c % SLOTS
                 if set_regs:
@@ -537,22 +550,11 @@ def chunk_fwd_ws_kernel(arch: Arch, dtype: str, K: int, V: int, has_initial_stat
                             st[i, j] = st[i, j] * eg_s[ss, SC - 1]
                     T.gemm(du_b, k_s[ss, :, :], st, policy=ROWS)                 # + (U^T D) K
                     T.barrier_arrive(empty[ss])
-                    if warmup and stage_o:
+                    if warmup and not states_only:
                         if t0 >= out_bos:                     # not a warm-up chunk
-                            if rows == SC:
-                                store_o_staged(o, o_s, ot, scale, t0, h)
-                            else:
-                                store_o(o, ot, scale, t0, rows, h)
-                    elif warmup and not states_only:
-                        if t0 >= out_bos:                     # not a warm-up chunk
-                            store_o(o, ot, scale, t0, rows, h)
-                    elif stage_o:
-                        if rows == SC:
-                            store_o_staged(o, o_s, ot, scale, t0, h)
-                        else:
-                            store_o(o, ot, scale, t0, rows, h)
+                            store_o_chunk(o, o_s, ot, scale, t0, rows, h)
                     elif not states_only:
-                        store_o(o, ot, scale, t0, rows, h)
+                        store_o_chunk(o, o_s, ot, scale, t0, rows, h)
                 if pool:               # the slot reloaded: no register live in the chain
                     dst = T.alloc_var("int32", init=seq_index[n])
                     if dst >= 0:
