@@ -91,7 +91,7 @@ FORWARD_CASES = [
                  r"g must have dtype in \(float32, bfloat16, float64\); got torch.float16",
                  id="g-dtype-fp16"),
     pytest.param(lambda: _with(base_call(), beta=torch.rand(B, T, HV).bfloat16()), TypeError,
-                 r"beta must have torch.float32 \(q's dtype\); got torch.bfloat16",
+                 r"beta must have dtype torch.float32 \(q's dtype\); got torch.bfloat16",
                  id="beta-dtype"),
     pytest.param(lambda: _with(base_call(), initial_state=torch.zeros(B, HV, K, V).double()),
                  TypeError, r"initial_state must have dtype in \(float32, bfloat16, float16\) "
@@ -171,9 +171,11 @@ FORWARD_CASES = [
                  r"initial_state must be 4-D \[N, Hv, K, V\]", id="state-rank"),
     # scalar options
     pytest.param(lambda: _with(base_call(), scale="0.5"), TypeError,
-                 r"scale must be a float or None; got str", id="scale-type"),
+                 r"scale must be a real number \(a float, an int\) or None; got str '0.5'",
+                 id="scale-type"),
     pytest.param(lambda: _with(base_call(), scale=True), TypeError,
-                 r"scale must be a float or None; got bool", id="scale-bool"),
+                 r"scale must be a real number \(a float, an int\) or None; got bool True",
+                 id="scale-bool"),
     pytest.param(lambda: _with(base_call(), scale=float("nan")), ValueError,
                  r"scale must be a finite float \(or None for K \*\* -0.5\); got nan",
                  id="scale-nan"),

@@ -130,7 +130,7 @@ def check_gate_dtype(name: str, g: torch.Tensor) -> None:
 def check_beta_dtype(beta: torch.Tensor, q: torch.Tensor) -> None:
     """beta is in q's dtype or fp32."""
     if beta.dtype not in (q.dtype, torch.float32):
-        expected = ("torch.float32 (q's dtype)" if q.dtype == torch.float32
+        expected = ("dtype torch.float32 (q's dtype)" if q.dtype == torch.float32
                     else f"q's dtype ({q.dtype}) or torch.float32")
         raise TypeError(f"beta must have {expected}; got {beta.dtype}")
 
@@ -297,7 +297,8 @@ def check_scale(scale: object) -> None:
     if scale is None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a float or None; got {type(scale).__name__}")
+        raise TypeError("scale must be a real number (a float, an int) or None; got "
+                        f"{type(scale).__name__} {scale!r}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float (or None for K ** -0.5); got {scale}")
 
